@@ -1,0 +1,1 @@
+"""Plain PyTorch + Accelerate training code. Imports nothing from Prefect."""

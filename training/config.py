@@ -1,0 +1,245 @@
+"""Typed configuration, one model per concern, shared by the flow and the training job file.
+
+Every model forbids unknown fields so that a typo in `prefect.yaml` or `--param` fails
+at validation instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_KAGGLE_COMPETITION = re.compile(r"^kaggle:competitions/([a-z0-9][a-z0-9-]*)$")
+_KAGGLE_DATASET = re.compile(r"^kaggle:datasets/([A-Za-z0-9_-]+)/([A-Za-z0-9][A-Za-z0-9_.-]*)$")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
+BUILTIN_DATASETS = ("digits",)
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+class Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DatasetSpec(Spec):
+    """Where the images come from and how their labels are read."""
+
+    source: str = Field(
+        description='"builtin:digits", "kaggle:competitions/<slug>", '
+        '"kaggle:datasets/<owner>/<slug>" or a local folder path.'
+    )
+    labels: str = Field(
+        "folders",
+        description='"folders" (one sub-folder per class), "filename" (cat.12.jpg -> cat) '
+        'or "csv:<relative path>" with columns file,label.',
+    )
+    subdir: str | None = Field(
+        None, description='Folder inside the source that holds the images, e.g. "train".'
+    )
+    download_retries: int = Field(
+        3, ge=0, le=20, description="Retries of an interrupted Kaggle download."
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, source: str) -> str:
+        source = source.strip()
+        if not source:
+            raise ValueError('dataset.source is empty. Example: "builtin:digits"')
+        if source.startswith("builtin:"):
+            name = source.removeprefix("builtin:")
+            if name not in BUILTIN_DATASETS:
+                raise ValueError(
+                    f"unknown built-in dataset {name!r}; available: "
+                    + ", ".join(f'"builtin:{n}"' for n in BUILTIN_DATASETS)
+                )
+        elif source.startswith("kaggle:"):
+            if not (_KAGGLE_COMPETITION.match(source) or _KAGGLE_DATASET.match(source)):
+                raise ValueError(
+                    f"cannot read Kaggle source {source!r}. Examples: "
+                    '"kaggle:competitions/dogs-vs-cats-redux-kernels-edition" or '
+                    '"kaggle:datasets/<owner>/<slug>"'
+                )
+        elif _SCHEME.match(source) and not Path(source).exists():
+            scheme = _SCHEME.match(source).group(1)
+            raise ValueError(
+                f"unknown dataset source scheme {scheme!r} in {source!r}; use "
+                '"builtin:digits", "kaggle:competitions/<slug>", "kaggle:datasets/<owner>/<slug>" '
+                "or a local folder path"
+            )
+        return source
+
+    @field_validator("labels")
+    @classmethod
+    def _known_layout(cls, labels: str) -> str:
+        if labels in ("folders", "filename"):
+            return labels
+        if labels.startswith("csv:") and labels.removeprefix("csv:").strip():
+            csv_path = labels.removeprefix("csv:")
+            if Path(csv_path).is_absolute() or ".." in Path(csv_path).parts:
+                raise ValueError(
+                    f"dataset.labels {labels!r}: the CSV path must be relative to the source "
+                    'folder, e.g. "csv:labels.csv"'
+                )
+            return labels
+        raise ValueError(
+            f'unknown label layout {labels!r}; use "folders", "filename" or "csv:<relative path>"'
+        )
+
+    @field_validator("subdir")
+    @classmethod
+    def _relative_subdir(cls, subdir: str | None) -> str | None:
+        if subdir and (Path(subdir).is_absolute() or ".." in Path(subdir).parts):
+            raise ValueError(f'dataset.subdir {subdir!r} must be a relative folder like "train"')
+        return subdir or None
+
+    @property
+    def kind(self) -> Literal["builtin", "kaggle", "local"]:
+        if self.source.startswith("builtin:"):
+            return "builtin"
+        if self.source.startswith("kaggle:"):
+            return "kaggle"
+        return "local"
+
+    @property
+    def kaggle_ref(self) -> tuple[str, str]:
+        """("competitions", slug) or ("datasets", "owner/slug")."""
+        kind, _, ref = self.source.removeprefix("kaggle:").partition("/")
+        return kind, ref
+
+
+class SplitSpec(Spec):
+    """Stratified, seeded train/val/test split."""
+
+    val_fraction: float = Field(0.1, gt=0, lt=1, description="Share of each class for validation.")
+    test_fraction: float = Field(0.1, gt=0, lt=1, description="Share of each class for testing.")
+    seed: int = Field(42, description="Seed of the per-file hash that assigns splits.")
+
+    @model_validator(mode="after")
+    def _fractions_leave_training_data(self) -> SplitSpec:
+        if self.val_fraction + self.test_fraction >= 1:
+            raise ValueError(
+                f"split.val_fraction + split.test_fraction = "
+                f"{self.val_fraction + self.test_fraction:g} leaves no training data; "
+                "they must sum below 1, e.g. val_fraction=0.1, test_fraction=0.1"
+            )
+        return self
+
+
+@cache
+def torchvision_model_names() -> frozenset[str]:
+    import torchvision
+
+    return frozenset(torchvision.models.list_models(module=torchvision.models))
+
+
+class TrainingSpec(Spec):
+    """What to train and how, including how `accelerate launch` is called."""
+
+    model: str = Field(
+        "basicnet",
+        description='"basicnet", "resnet18", "vgg16" or any torchvision classification model.',
+    )
+    pretrained: bool = Field(False, description="Load torchvision weights from the torch cache.")
+    image_size: int = Field(28, ge=8, le=1024, description="Square input size in pixels.")
+    epochs: int = Field(2, ge=1, le=10_000)
+    batch_size: int = Field(64, ge=1, le=65_536, description="Per process.")
+    lr: float = Field(1e-3, gt=0, le=10)
+    optimizer: str = Field("adam", description='"adam", "adamw" or "sgd".')
+    weight_decay: float = Field(0.0, ge=0)
+    augment: Literal["auto", "none", "flip_crop"] = Field(
+        "auto", description="auto: random resized crop + flip for RGB datasets, none for grayscale."
+    )
+    num_processes: int | Literal["auto"] = Field(
+        "auto", description='Processes on this machine; "auto": the GPUs, or 2 on a CPU machine.'
+    )
+    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
+    seed: int = 42
+    num_machines: int = Field(1, ge=1)
+    machine_rank: int = Field(0, ge=0)
+    main_process_ip: str | None = None
+    main_process_port: int | None = Field(None, ge=1, le=65535, description="None: a free port.")
+    accelerate_config_file: str | None = Field(
+        None, description="An accelerate config file; replaces the launch options above."
+    )
+    timeout_s: float | None = Field(None, gt=0, description="Kill the launch after this long.")
+    hang_timeout_s: float = Field(
+        300, gt=0, description="Kill the launch when no rank made progress for this long."
+    )
+    heartbeat_steps: int = Field(10, ge=1, description="Each rank reports every N steps.")
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, model: str) -> str:
+        if model == "basicnet" or model in torchvision_model_names():
+            return model
+        raise ValueError(
+            f"unknown model {model!r}; use \"basicnet\", \"resnet18\", \"vgg16\" or another "
+            "name from torchvision.models.list_models()"
+        )
+
+    @field_validator("optimizer")
+    @classmethod
+    def _known_optimizer(cls, optimizer: str) -> str:
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+        return optimizer
+
+    @field_validator("num_processes")
+    @classmethod
+    def _positive_processes(cls, n: int | str) -> int | str:
+        if n != "auto" and n < 1:
+            raise ValueError(f'training.num_processes must be at least 1 or "auto", got {n}')
+        return n
+
+    @model_validator(mode="after")
+    def _machine_rank_in_range(self) -> TrainingSpec:
+        if self.machine_rank >= self.num_machines:
+            raise ValueError(
+                f"training.machine_rank {self.machine_rank} must be below "
+                f"training.num_machines {self.num_machines}"
+            )
+        if self.num_machines > 1 and not self.main_process_ip and not self.accelerate_config_file:
+            raise ValueError(
+                "training.num_machines > 1 needs training.main_process_ip (the address of "
+                'machine rank 0), e.g. main_process_ip="10.0.0.1"'
+            )
+        return self
+
+    def resolved_num_processes(self) -> int:
+        """Processes on this machine, with "auto" decided by the hardware that is here."""
+        if self.num_processes != "auto":
+            return self.num_processes
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        return 2 if (os.cpu_count() or 1) >= 2 else 1
+
+
+class RegistrySpec(Spec):
+    """How the trained model is registered and when it becomes the champion."""
+
+    model_name: str = Field("train-flow-model", min_length=1, description="Registered model name.")
+    metric: Literal["accuracy", "macro_f1", "roc_auc"] = Field(
+        "accuracy", description="Test metric the champion/challenger gate compares."
+    )
+    min_improvement: float = Field(0.0, ge=0, description="Needed margin over the champion.")
+    promote: bool = Field(True, description="False: register as challenger only.")
+    significance: float | None = Field(
+        None, gt=0, lt=1, description="McNemar's test level required for promotion, e.g. 0.05."
+    )
+
+
+class TrainJob(Spec):
+    """The job file that `accelerate launch -m training.train --job JOB.json` reads."""
+
+    manifest: Path = Field(description="manifest.csv written by the split stage.")
+    training: TrainingSpec = TrainingSpec()
+    output_dir: Path = Field(description="Checkpoints, weights and progress events go here.")
+    mlflow_run_id: str | None = Field(None, description="Log into this MLflow run (main process).")
+    mlflow_tracking_uri: str | None = None

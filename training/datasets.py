@@ -1,0 +1,117 @@
+"""The prepare stage: turn a `dataset` spec into a folder of labelled images on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from training.config import DatasetSpec
+from training.kaggle_source import COMPLETE_MARKER, KaggleCredentials, download
+from training.labels import DatasetError, list_labelled_files
+from training.storage import sha256_file
+
+
+class DatasetRef(BaseModel):
+    """What later stages need to find the images again, and how to tell one version from another."""
+
+    source: str
+    labels: str
+    root: Path
+    """The folder that holds the images (source folder + subdir)."""
+    source_root: Path
+    class_names: list[str]
+    class_counts: dict[str, int]
+    image_count: int
+    fingerprint: str
+    """sha256 over every (path, label, content hash): changes when any file is added,
+    removed, relabelled or changed."""
+
+    def labelled_files(self) -> list[tuple[str, str]]:
+        return list_labelled_files(self.root, self.labels, self.source_root)
+
+
+def source_root(spec: DatasetSpec, home: Path) -> Path:
+    """Where the source's files are, without fetching anything."""
+    if spec.kind == "builtin":
+        return home / "datasets" / "builtin" / spec.source.removeprefix("builtin:")
+    if spec.kind == "kaggle":
+        kind, ref = spec.kaggle_ref
+        return home / "datasets" / "kaggle" / kind / ref.replace("/", "__")
+    return Path(spec.source).expanduser().resolve()
+
+
+def check_source(spec: DatasetSpec) -> None:
+    """The cheap checks that must pass before anything is downloaded or decoded."""
+    if spec.kind == "local" and not Path(spec.source).expanduser().is_dir():
+        raise DatasetError(
+            f"dataset folder {spec.source} does not exist; give an existing folder, "
+            '"builtin:digits" or "kaggle:competitions/<slug>"'
+        )
+
+
+def prepare(spec: DatasetSpec, home: Path, credentials: KaggleCredentials | None = None) -> DatasetRef:
+    check_source(spec)
+    root = source_root(spec, home)
+    if spec.kind == "builtin":
+        write_digits(root)
+    elif spec.kind == "kaggle":
+        kind, ref = spec.kaggle_ref
+        download(kind, ref, root, credentials, retries=spec.download_retries)
+    images_root = root / spec.subdir if spec.subdir else root
+    pairs = list_labelled_files(images_root, spec.labels, root)
+    counts = Counter(label for _, label in pairs)
+    return DatasetRef(
+        source=spec.source,
+        labels=spec.labels,
+        root=images_root,
+        source_root=root,
+        class_names=sorted(counts),
+        class_counts=dict(sorted(counts.items())),
+        image_count=len(pairs),
+        fingerprint=fingerprint(images_root, pairs),
+    )
+
+
+def fingerprint(root: Path, pairs: list[tuple[str, str]]) -> str:
+    digest = hashlib.sha256()
+    for relpath, label in pairs:
+        digest.update(f"{relpath}\t{label}\t{sha256_file(root / relpath)}\n".encode())
+    return digest.hexdigest()
+
+
+def write_digits(root: Path) -> Path:
+    """scikit-learn's 1,797 handwritten digits as 8x8 grayscale PNGs, one folder per class.
+
+    Written once, into a staging folder renamed into place, so every later stage runs the same
+    code as for downloaded images.
+    """
+    if (root / COMPLETE_MARKER).is_file():
+        return root
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+    try:
+        pixels = np.clip(np.rint(digits.images * (255 / 16)), 0, 255).astype(np.uint8)
+        for index, (image, target) in enumerate(zip(pixels, digits.target, strict=True)):
+            folder = staging / str(target)
+            folder.mkdir(exist_ok=True)
+            Image.fromarray(image).save(folder / f"digit_{index:04d}.png")
+        (staging / COMPLETE_MARKER).write_text("scikit-learn load_digits\n")
+        if root.exists():
+            shutil.rmtree(root)
+        staging.rename(root)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return root
+
+
+__all__ = ["DatasetError", "DatasetRef", "prepare", "check_source", "source_root", "write_digits"]

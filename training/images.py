@@ -1,0 +1,77 @@
+"""Decoding images once, fully, with limits: the only place that opens image files."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+
+IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
+# 40 megapixels: far above any training photo, far below what exhausts memory when decoded.
+MAX_PIXELS = 40_000_000
+GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
+
+
+class ImageRejected(ValueError):
+    """The file cannot be used as a training image; the message says why."""
+
+
+@dataclass(frozen=True)
+class ImageCheck:
+    path: str
+    ok: bool
+    grayscale: bool = False
+    reason: str = ""
+
+
+def open_image(path: Path, channels: int) -> Image.Image:
+    """Open and fully decode an image, converted to 1 (L) or 3 (RGB) channels.
+
+    `verify()` alone accepts truncated JPEGs that later crash a DataLoader mid-epoch, so
+    the pixels are always decoded here.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                width, height = img.size
+                if width * height > MAX_PIXELS:
+                    raise ImageRejected(
+                        f"{width}x{height} pixels is over the {MAX_PIXELS:,}-pixel limit "
+                        "(possible decompression bomb)"
+                    )
+                img.load()
+                return img.convert("L" if channels == 1 else "RGB")
+    except ImageRejected:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageRejected(f"refused by size: {e}") from e
+    except UnidentifiedImageError as e:
+        raise ImageRejected("not an image file") from e
+    except (OSError, SyntaxError, ValueError) as e:
+        reason = "empty file" if Path(path).stat().st_size == 0 else f"cannot decode: {e}"
+        raise ImageRejected(reason) from e
+
+
+def check_image(root: Path, relpath: str) -> ImageCheck:
+    path = root / relpath
+    try:
+        with Image.open(path) as img:
+            grayscale = img.mode in GRAYSCALE_MODES or (
+                img.mode == "P" and _palette_is_gray(img)
+            )
+        open_image(path, channels=1 if grayscale else 3)
+    except ImageRejected as e:
+        return ImageCheck(relpath, ok=False, reason=str(e))
+    except (OSError, SyntaxError, ValueError, UnidentifiedImageError) as e:
+        reason = "empty file" if path.stat().st_size == 0 else "not an image file"
+        return ImageCheck(relpath, ok=False, reason=f"{reason}: {e}")
+    return ImageCheck(relpath, ok=True, grayscale=grayscale)
+
+
+def _palette_is_gray(img: Image.Image) -> bool:
+    palette = img.getpalette() or []
+    triples = zip(palette[0::3], palette[1::3], palette[2::3], strict=False)
+    return all(r == g == b for r, g, b in triples)

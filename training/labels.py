@@ -1,0 +1,88 @@
+"""Reading (file, label) pairs from the three label layouts."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from training.images import IMAGE_EXTENSIONS
+
+
+class DatasetError(ValueError):
+    """Bad dataset input; the message names the problem and the fix."""
+
+
+def list_labelled_files(images_root: Path, labels: str, source_root: Path) -> list[tuple[str, str]]:
+    """Sorted (path relative to images_root, label) pairs for the chosen layout."""
+    if not images_root.is_dir():
+        raise DatasetError(
+            f"image folder {images_root} does not exist; check dataset.source and dataset.subdir"
+        )
+    if labels == "folders":
+        pairs = _from_folders(images_root)
+    elif labels == "filename":
+        pairs = _from_filenames(images_root)
+    else:
+        pairs = _from_csv(images_root, source_root / labels.removeprefix("csv:"))
+    if not pairs:
+        raise DatasetError(
+            f"no image files ({', '.join(sorted(IMAGE_EXTENSIONS))}) found under {images_root} "
+            f'with labels="{labels}"'
+        )
+    return sorted(pairs)
+
+
+def _is_candidate(path: Path) -> bool:
+    return path.is_file() and not path.name.startswith(".") and (
+        path.suffix.lower() in IMAGE_EXTENSIONS
+    )
+
+
+def _from_folders(root: Path) -> list[tuple[str, str]]:
+    pairs = []
+    for class_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for path in class_dir.rglob("*"):
+            if _is_candidate(path):
+                pairs.append((path.relative_to(root).as_posix(), class_dir.name))
+    if not pairs and any(_is_candidate(p) for p in root.iterdir()):
+        raise DatasetError(
+            f'{root} holds images directly, not in one sub-folder per class: use labels="filename" '
+            '(cat.12.jpg -> cat) or labels="csv:<file>"'
+        )
+    return pairs
+
+
+def _from_filenames(root: Path) -> list[tuple[str, str]]:
+    pairs = []
+    for path in root.iterdir():
+        if _is_candidate(path):
+            label, sep, _ = path.name.partition(".")
+            if not sep or not label:
+                raise DatasetError(f"cannot read a label from file name {path.name!r}")
+            pairs.append((path.name, label))
+    return pairs
+
+
+def _from_csv(root: Path, csv_path: Path) -> list[tuple[str, str]]:
+    if not csv_path.is_file():
+        raise DatasetError(f"label file {csv_path} does not exist; check dataset.labels")
+    with open(csv_path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        columns = set(reader.fieldnames or [])
+        if not {"file", "label"} <= columns:
+            raise DatasetError(
+                f"{csv_path.name} must have columns file,label; it has "
+                f"{','.join(reader.fieldnames or []) or 'none'}"
+            )
+        rows = [(row["file"].strip(), row["label"].strip()) for row in reader]
+    missing = [name for name, _ in rows if not (root / name).is_file()]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise DatasetError(f"{csv_path.name} names {len(missing)} files missing under {root}: {shown}")
+    outside = [name for name, _ in rows if ".." in Path(name).parts or Path(name).is_absolute()]
+    if outside:
+        raise DatasetError(f"{csv_path.name} names files outside {root}: {', '.join(outside[:5])}")
+    empty = [name for name, label in rows if not label]
+    if empty:
+        raise DatasetError(f"{csv_path.name} has rows with an empty label: {', '.join(empty[:5])}")
+    return rows

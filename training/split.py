@@ -1,0 +1,170 @@
+"""The split stage: check every image, then a stratified, seeded, stable train/val/test split.
+
+Stability: a file's split, once given, never changes. Each split folder keeps a ledger of
+the assignments it made; files already in it keep their split, and new files fill each
+class's quotas in the order of a seeded hash of their relative path. Re-splitting the same
+files gives the same bytes, and retraining on grown data never moves an old test image
+into training. From an empty ledger the per-class counts are exactly round(n * fraction).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from training.config import SplitSpec
+from training.datasets import DatasetRef
+from training.images import ImageCheck, check_image
+from training.labels import DatasetError
+from training.storage import write_json_atomic, write_text_atomic
+
+SPLITS = ("train", "val", "test")
+MAX_UNREADABLE = 0.05
+
+
+class SplitResult(BaseModel):
+    manifest: Path
+    manifest_sha256: str
+    counts: dict[str, dict[str, int]]
+    """split -> class -> images"""
+    quarantined: int
+    class_names: list[str]
+    channels: int
+    root: Path
+
+
+def split_key(ref: DatasetRef, spec: SplitSpec) -> str:
+    ident = json.dumps([ref.source, str(ref.root), ref.labels, spec.model_dump()], sort_keys=True)
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def hash_order(seed: int, relpath: str) -> str:
+    return hashlib.sha256(f"{seed}\0{relpath}".encode()).hexdigest()
+
+
+def check_images(root: Path, relpaths: list[str]) -> list[ImageCheck]:
+    # PIL releases the GIL while decoding, so threads use every core without pickling.
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda rel: check_image(root, rel), relpaths))
+
+
+def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path) -> SplitResult:
+    pairs = ref.labelled_files()
+    checks = check_images(ref.root, [rel for rel, _ in pairs])
+    bad = [c for c in checks if not c.ok]
+    if len(bad) > MAX_UNREADABLE * len(pairs):
+        examples = "; ".join(f"{c.path}: {c.reason}" for c in bad[:5])
+        raise DatasetError(
+            f"{len(bad)} of {len(pairs)} images are unreadable (over {MAX_UNREADABLE:.0%}); "
+            f"fix or remove them. First: {examples}"
+        )
+    good_paths = {c.path for c in checks if c.ok}
+    good = [(rel, label) for rel, label in pairs if rel in good_paths]
+    by_class: dict[str, list[str]] = defaultdict(list)
+    for rel, label in good:
+        by_class[label].append(rel)
+    _check_class_sizes(ref, by_class, spec)
+
+    folder = home / "splits" / split_key(ref, spec)
+    ledger_path = folder / "ledger.json"
+    ledger: dict[str, str] = json.loads(ledger_path.read_text()) if ledger_path.exists() else {}
+    assignment = {}
+    for files in by_class.values():
+        assignment.update(_assign_class(files, ledger, spec))
+
+    out = folder / ref.fingerprint[:16]
+    rows = sorted((rel, label, assignment[rel]) for rel, label in good)
+    manifest_text = _manifest_csv(rows)
+    counts = {s: dict(sorted(Counter(lbl for _, lbl, sp in rows if sp == s).items())) for s in SPLITS}
+    # Ledger first: if we die after it, a re-run reproduces the same manifest from it.
+    write_json_atomic(ledger_path, {**ledger, **assignment})
+    write_json_atomic(out / "quarantine.json", [c.__dict__ for c in bad])
+    write_json_atomic(out / "counts.json", counts)
+    channels = 1 if all(c.grayscale for c in checks if c.ok) else 3
+    manifest = out / "manifest.csv"
+    write_text_atomic(manifest, manifest_text)
+    result = SplitResult(
+        manifest=manifest,
+        manifest_sha256=hashlib.sha256(manifest_text.encode()).hexdigest(),
+        counts=counts,
+        quarantined=len(bad),
+        class_names=sorted(by_class),
+        channels=channels,
+        root=ref.root,
+    )
+    write_json_atomic(out / "summary.json", result.model_dump(mode="json"))
+    return result
+
+
+def _check_class_sizes(ref: DatasetRef, by_class: dict[str, list[str]], spec: SplitSpec) -> None:
+    empty = [name for name in ref.class_names if not by_class.get(name)]
+    if empty:
+        raise DatasetError(f"class {empty[0]!r} has no readable images; add images or remove it")
+    if len(by_class) < 2:
+        raise DatasetError(
+            f"the dataset has one class ({next(iter(by_class))!r}); a classifier needs at least two"
+        )
+    for name, files in sorted(by_class.items()):
+        quotas = _quotas(len(files), spec)
+        if min(quotas.values()) < 1:
+            need = max(
+                _smallest_class(spec.val_fraction), _smallest_class(spec.test_fraction), 3
+            )
+            raise DatasetError(
+                f"class {name!r} has {len(files)} readable images, too few to appear in train, "
+                f"val and test with val_fraction={spec.val_fraction}, "
+                f"test_fraction={spec.test_fraction}; it needs at least {need}"
+            )
+
+
+def _smallest_class(fraction: float) -> int:
+    n = 1
+    while round(n * fraction) < 1:
+        n += 1
+    return n
+
+
+def _quotas(n: int, spec: SplitSpec) -> dict[str, int]:
+    test = round(n * spec.test_fraction)
+    val = round(n * spec.val_fraction)
+    return {"test": test, "val": val, "train": n - test - val}
+
+
+def _assign_class(files: list[str], ledger: dict[str, str], spec: SplitSpec) -> dict[str, str]:
+    kept = {f: ledger[f] for f in files if f in ledger}
+    have = Counter(kept.values())
+    quotas = _quotas(len(files), spec)
+    new = sorted((f for f in files if f not in ledger), key=lambda f: hash_order(spec.seed, f))
+    assignment = dict(kept)
+    for split in ("test", "val"):
+        take = max(0, quotas[split] - have[split])
+        for f in new[:take]:
+            assignment[f] = split
+        new = new[take:]
+    assignment.update((f, "train") for f in new)
+    return assignment
+
+
+def _manifest_csv(rows: list[tuple[str, str, str]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["path", "label", "split"])
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def read_manifest(manifest: Path) -> list[tuple[str, str, str]]:
+    with open(manifest, newline="", encoding="utf-8") as f:
+        return [(r["path"], r["label"], r["split"]) for r in csv.DictReader(f)]
+
+
+def read_summary(manifest: Path) -> SplitResult:
+    return SplitResult.model_validate_json((Path(manifest).parent / "summary.json").read_text())

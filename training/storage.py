@@ -1,0 +1,60 @@
+"""Where a run writes, and how it writes without leaving half-written files behind."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def home() -> Path:
+    """The one folder that holds datasets, manifests, run folders and the default MLflow store."""
+    return Path(os.environ.get("TRAINFLOW_HOME") or "~/.trainflow").expanduser().resolve()
+
+
+def tracking_uri() -> str:
+    """MLFLOW_TRACKING_URI, or a SQLite file in the home so that the demo needs no server."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / 'mlflow.db'}"
+
+
+@contextlib.contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `final`; rename it into place only if the block succeeds.
+
+    A crash or kill mid-write leaves at most a stray temporary file, never a truncated file
+    under the final name (rename is atomic on one filesystem).
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, final)
+    finally:
+        tmp_path.unlink(missing_ok=True)
+
+
+def write_text_atomic(final: Path, text: str) -> None:
+    with atomic_path(final) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json_atomic(final: Path, data: Any) -> None:
+    write_text_atomic(final, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
