@@ -26,7 +26,7 @@ class ImageCheck:
     reason: str = ""
 
 
-def open_image(path: Path, channels: int) -> Image.Image:
+def open_image(path: Path, channels: int, draft: tuple[int, int] | None = None) -> Image.Image:
     """Open and fully decode an image, converted to 1 (L) or 3 (RGB) channels.
 
     `verify()` alone accepts truncated JPEGs that later crash a DataLoader mid-epoch, so
@@ -42,6 +42,10 @@ def open_image(path: Path, channels: int) -> Image.Image:
                         f"{width}x{height} pixels is over the {MAX_PIXELS:,}-pixel limit "
                         "(possible decompression bomb)"
                     )
+                if draft is not None:
+                    # JPEG only: decode at a reduced DCT scale no smaller than `draft`; far
+                    # cheaper than decoding full size and resizing.
+                    img.draft("L" if channels == 1 else "RGB", draft)
                 img.load()
                 return img.convert("L" if channels == 1 else "RGB")
     except ImageRejected:

@@ -1,0 +1,83 @@
+"""train-flow: prepare -> split -> train (accelerate launch) -> evaluate -> register.
+
+    python -m flows.train_flow                       # the built-in digits dataset
+    python -m flows.train_flow '{"dataset": {"source": "builtin:digits"},
+                                 "training": {"epochs": 3}}'
+    prefect deployment run train-flow/digits         # through a Prefect server and worker
+
+From Python: `train_flow(dataset={"source": "builtin:digits"}, training={"epochs": 1})`.
+This module only composes tasks; what each stage does lives in tasks/ and training/.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from prefect import flow
+from prefect.runtime import flow_run
+from pydantic import BaseModel
+
+from tasks.data import prepare_dataset, split_dataset
+from tasks.evaluate import Evaluation, evaluate_model
+from tasks.preflight import check_before_start, spec_hash
+from tasks.register import Registration, register_model
+from tasks.report import find_unchanged_champion, publish_report
+from tasks.tracking import close_mlflow_run, git_commit, open_mlflow_run
+from tasks.train import TrainResult, train_model
+from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
+from training.storage import home, tracking_uri
+
+
+class FlowResult(BaseModel):
+    mlflow_run_id: str | None = None
+    skipped: str | None = None
+    trained: TrainResult | None = None
+    evaluation: Evaluation | None = None
+    registration: Registration | None = None
+
+
+@flow(name="train-flow", log_prints=True)
+def train_flow(
+    dataset: DatasetSpec,
+    split: SplitSpec = SplitSpec(),  # noqa: B008  (frozen pydantic models: safe defaults)
+    training: TrainingSpec = TrainingSpec(),  # noqa: B008
+    registry: RegistrySpec = RegistrySpec(),  # noqa: B008
+    force: bool = False,
+) -> FlowResult:
+    check_before_start(dataset, training, registry)
+    ref = prepare_dataset(dataset)
+    manifest = split_dataset(ref, split)
+    same_spec = spec_hash(training, split.model_dump_json())
+    if not force and (version := find_unchanged_champion(registry.model_name, ref.fingerprint,
+                                                         same_spec)):
+        return FlowResult(skipped=f"champion v{version} already trained on this data and spec")
+    run_id = open_mlflow_run(ref.fingerprint, dataset.source)
+    try:
+        run_dir = home() / "runs" / str(flow_run.get_id())
+        trained = train_model(manifest.manifest, training, run_dir / "train", run_id,
+                              tracking_uri())
+        evaluation = evaluate_model(trained, manifest.manifest, training, run_id)
+        lineage = {"prefect_flow_run_id": str(flow_run.get_id()), "git_commit": git_commit(),
+                   "dataset_fingerprint": ref.fingerprint, "dataset_source": dataset.source,
+                   "manifest_sha256": manifest.manifest_sha256, "spec_hash": same_spec,
+                   "flow_parameters": json.dumps({
+                       "dataset": dataset.model_dump(), "split": split.model_dump(),
+                       "training": training.model_dump(), "registry": registry.model_dump()})}
+        registration = register_model(trained, evaluation, manifest.manifest, training, registry,
+                                      run_id, lineage)
+        publish_report(ref, manifest, trained, evaluation, registration, run_id)
+    except BaseException as e:
+        cancelled = not isinstance(e, Exception)
+        close_mlflow_run(run_id, "KILLED" if cancelled else "FAILED")
+        raise
+    close_mlflow_run(run_id, "FINISHED")
+    return FlowResult(mlflow_run_id=run_id, trained=trained, evaluation=evaluation,
+                      registration=registration)
+
+
+if __name__ == "__main__":
+    params = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    params.setdefault("dataset", {"source": "builtin:digits"})
+    result = train_flow(**params)
+    print(result.model_dump_json(indent=2))

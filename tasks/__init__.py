@@ -1,0 +1,1 @@
+"""Prefect tasks: orchestration around training/ (subprocesses, caching, retries, artifacts)."""

@@ -1,0 +1,200 @@
+"""Running `accelerate launch` as a child process group that is watched and always cleaned up.
+
+Plain Python (no Prefect) so that it can be tested and reused alone; tasks/train.py wires it
+to the Prefect log, artifacts and retries.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Empty, Queue
+
+from training.config import TrainingSpec
+from training.progress import ProgressReader
+
+TERMINATE_GRACE_S = 5.0
+
+
+class LaunchFailed(RuntimeError):
+    """A rank failed; the message carries that rank's own error and traceback."""
+
+
+class LaunchHung(LaunchFailed):
+    """No rank made progress for `hang_timeout_s`."""
+
+
+class LaunchTimedOut(LaunchFailed):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def launch_command(spec: TrainingSpec, module: str, args: list[str], port: int | None = None
+                   ) -> list[str]:
+    """The `accelerate launch` command line for this spec."""
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    if spec.accelerate_config_file:
+        command += ["--config_file", spec.accelerate_config_file]
+    else:
+        per_machine = spec.resolved_num_processes()
+        total = per_machine * spec.num_machines
+        if total > 1:
+            command += ["--multi_gpu"]
+        command += ["--num_processes", str(total), "--num_machines", str(spec.num_machines),
+                    "--mixed_precision", spec.mixed_precision, "--dynamo_backend", "no"]
+        if spec.num_machines > 1:
+            command += ["--machine_rank", str(spec.machine_rank),
+                        "--main_process_ip", spec.main_process_ip]
+        command += ["--main_process_port", str(spec.main_process_port or port or free_port())]
+    return command + ["-m", module, *args]
+
+
+def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra or {})}
+    if not cuda_available():
+        # Without it, `--multi_gpu` on a CPU-only host starts N processes that each train
+        # alone as a world of one.
+        env["ACCELERATE_USE_CPU"] = "1"
+    # Make `training` importable in the ranks wherever the launch is started from.
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+@dataclass
+class LaunchWatch:
+    """What the caller hears about while the launch runs."""
+
+    on_line: Callable[[str], None] = lambda line: None
+    on_event: Callable[[dict], None] = lambda event: None
+    hang_timeout_s: float = 300.0
+    timeout_s: float | None = None
+    events: list[dict] = field(default_factory=list)
+
+
+def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch: LaunchWatch,
+               cwd: Path | None = None) -> list[dict]:
+    """Run the launch to the end; on failure, hang, timeout or interruption kill its group."""
+    reader = ProgressReader(output_dir)
+    reader.skip_existing()
+    lines: Queue[str | None] = Queue()
+    proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace",
+                            start_new_session=True, bufsize=1)
+    pump = threading.Thread(target=_pump, args=(proc, lines), daemon=True)
+    pump.start()
+    started = last_progress = time.monotonic()
+    last_seen: dict[int, dict] = {}
+    try:
+        while True:
+            _drain(lines, watch.on_line)
+            for event in reader.poll():
+                watch.events.append(event)
+                last_seen[event["rank"]] = event
+                last_progress = time.monotonic()
+                watch.on_event(event)
+            if proc.poll() is not None:
+                break
+            now = time.monotonic()
+            if watch.timeout_s and now - started > watch.timeout_s:
+                raise LaunchTimedOut(f"the launch ran past its {watch.timeout_s:g} s timeout and "
+                                     f"was stopped; {_describe(last_seen)}")
+            if now - last_progress > watch.hang_timeout_s:
+                raise LaunchHung(f"no rank made progress for {watch.hang_timeout_s:g} s: the run "
+                                 f"is hung and was stopped; {_describe(last_seen)}")
+            time.sleep(0.2)
+        pump.join(timeout=5)
+        _drain(lines, watch.on_line)
+        for event in reader.poll():
+            watch.events.append(event)
+            watch.on_event(event)
+        if proc.returncode != 0:
+            raise LaunchFailed(_failure_message(proc.returncode, watch.events))
+        return watch.events
+    finally:
+        kill_group(proc)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the whole process group, then SIGKILL whatever is left after a grace period."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    for sig, wait in ((signal.SIGTERM, TERMINATE_GRACE_S), (signal.SIGKILL, 0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and _group_alive(pgid):
+            time.sleep(0.1)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _pump(proc: subprocess.Popen, lines: Queue) -> None:
+    for line in proc.stdout:
+        lines.put(line.rstrip("\n"))
+    lines.put(None)
+
+
+def _drain(lines: Queue, on_line: Callable[[str], None]) -> None:
+    while True:
+        try:
+            line = lines.get_nowait()
+        except Empty:
+            return
+        if line is not None:
+            on_line(line)
+
+
+def _describe(last_seen: dict[int, dict]) -> str:
+    if not last_seen:
+        return "no rank reported any progress yet"
+    parts = []
+    for rank, event in sorted(last_seen.items()):
+        where = ", ".join(f"{k} {event[k]}" for k in ("phase", "epoch", "step") if k in event)
+        ago = time.time() - event.get("time", time.time())
+        parts.append(f"rank {rank} last {event['event']} ({where}) {ago:.0f} s ago")
+    return "last progress: " + "; ".join(parts)
+
+
+def _failure_message(returncode: int, events: list[dict]) -> str:
+    errors = sorted((e for e in events if e["event"] == "error"), key=lambda e: e["time"])
+    if not errors:
+        return (f"accelerate launch exited with code {returncode} and no rank reported an error "
+                "(killed from outside, or it failed before training started; see the log above)")
+    first = errors[0]
+    others = sorted({e["rank"] for e in errors} - {first["rank"]})
+    also = f" (ranks {others} failed after it)" if others else ""
+    return f"rank {first['rank']} failed{also}: {first['error']}\n{first['traceback']}"

@@ -1,0 +1,92 @@
+"""check_before_start: everything that would make the flow fail late, checked in seconds."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+
+from prefect import get_run_logger, task
+
+from training.config import DatasetSpec, RegistrySpec, TrainingSpec
+from training.datasets import check_source
+from training.kaggle_source import COMPLETE_MARKER, MISSING_CREDENTIALS, find_credentials
+from training.storage import home, tracking_uri
+
+
+class PreflightError(RuntimeError):
+    pass
+
+
+def check_mlflow() -> None:
+    """The tracking store answers and accepts writes (an experiment lookup/creation)."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    from mlflow import MlflowClient
+
+    from tasks.tracking import experiment_id
+
+    uri = tracking_uri()
+    try:
+        experiment_id(MlflowClient(uri))
+    except Exception as e:
+        raise PreflightError(
+            f"MLflow tracking store {uri} is not reachable or not writable "
+            f"({type(e).__name__}: {str(e)[:200]}); start it (make services) or set "
+            "MLFLOW_TRACKING_URI to a running server"
+        ) from None
+
+
+def check_dataset(dataset: DatasetSpec) -> None:
+    check_source(dataset)
+    if dataset.kind == "kaggle":
+        from training.datasets import source_root
+
+        cached = (source_root(dataset, home()) / COMPLETE_MARKER).is_file()
+        if not cached and not os.environ.get("KAGGLE_SECRET_BLOCK") and find_credentials() is None:
+            raise PreflightError(MISSING_CREDENTIALS)
+
+
+def check_training(training: TrainingSpec) -> None:
+    if importlib.util.find_spec("accelerate") is None:
+        raise PreflightError("accelerate is not installed in this environment: run make install")
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    wanted = training.resolved_num_processes()
+    if gpus and wanted > gpus and not training.accelerate_config_file:
+        raise PreflightError(f"training.num_processes={wanted} but this machine has {gpus} GPUs; "
+                             f'use at most {gpus} or "auto"')
+    if not gpus and wanted > (os.cpu_count() or 1):
+        raise PreflightError(f"training.num_processes={wanted} but this machine has "
+                             f"{os.cpu_count()} CPU cores and no GPU; use at most "
+                             f'{os.cpu_count()} or "auto"')
+    if not gpus and training.mixed_precision == "fp16":
+        raise PreflightError('mixed_precision="fp16" needs a CUDA GPU; on this machine use '
+                             '"bf16" or "no"')
+    if training.pretrained:
+        from training.models import pretrained_weights_file
+
+        path = pretrained_weights_file(training.model)
+        if not path.is_file():
+            raise PreflightError(f"pretrained weights for {training.model} are not in the torch "
+                                 f"cache: expected {path}; copy them there or set "
+                                 "training.pretrained=false")
+
+
+def spec_hash(training: TrainingSpec, split_seed: str) -> str:
+    """What makes two trainings the same, for skipping a retrain on unchanged inputs."""
+    text = training.model_dump_json(exclude={"main_process_port", "timeout_s", "hang_timeout_s",
+                                             "heartbeat_steps", "num_processes"})
+    return hashlib.sha256(f"{text}|{split_seed}".encode()).hexdigest()[:16]
+
+
+@task
+def check_before_start(dataset: DatasetSpec, training: TrainingSpec,
+                       registry: RegistrySpec) -> None:
+    """Fail in seconds, with one clear message, on what would otherwise fail late."""
+    check_mlflow()
+    check_dataset(dataset)
+    check_training(training)
+    get_run_logger().info("preflight passed: MLflow at %s, dataset %s, %s processes",
+                          tracking_uri(), dataset.source, training.resolved_num_processes())

@@ -1,0 +1,187 @@
+"""register_model: log the model to MLflow, register a version, and run the champion gate."""
+
+from __future__ import annotations
+
+import csv
+
+import time
+from pathlib import Path
+
+import mlflow
+import torch
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+from prefect import get_run_logger, task
+from pydantic import BaseModel
+
+from tasks.evaluate import Evaluation
+from tasks.train import TrainResult
+from training.config import RegistrySpec, TrainingSpec, TrainJob
+from training.evaluate import load_trained_model
+from training.storage import tracking_uri
+
+CHAMPION, CHALLENGER = "champion", "challenger"
+TRAINING_DIR = Path(__file__).resolve().parents[1] / "training"
+
+
+class Registration(BaseModel):
+    model_name: str
+    version: str
+    aliases: list[str]
+    promoted: bool
+    reason: str
+    metric: str
+    value: float
+    champion_value: float | None = None
+    p_value: float | None = None
+
+
+class Classifier(torch.nn.Module):
+    """The served model: a preprocessed batch in, class probabilities out."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.model(x), dim=1)
+
+
+def log_model(job: TrainJob, weights: Path, run_id: str) -> str:
+    """Log the unwrapped model (pytorch flavour) with signature, example and preprocessing."""
+    from mlflow.models import infer_signature
+
+    model, info = load_trained_model(job, weights)
+    served = Classifier(model).eval()
+    pre = info["preprocessing"]
+    example = torch.zeros(1, pre["channels"], pre["image_size"], pre["image_size"])
+    with torch.no_grad():
+        signature = infer_signature(example.numpy(), served(example).numpy())
+    import torchvision
+
+    with mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None):
+        mlflow.log_dict(info, "model_info/preprocessing.json")
+        mlflow.log_artifact(str(weights), artifact_path="weights")
+        model_info = mlflow.pytorch.log_model(
+            served, name="model", signature=signature, input_example=example.numpy(),
+            code_paths=[str(TRAINING_DIR)], metadata=info,
+            # Explicit requirements: inferring them starts a subprocess that imports the model.
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                              f"torchvision=={torchvision.__version__.split('+')[0]}",
+                              "safetensors", "pillow", "numpy"],
+        )
+    return model_info.model_uri
+
+
+def mcnemar_p_value(ours: Path, theirs: Path) -> float:
+    """Exact McNemar test on two models' correctness over the same test images."""
+    from scipy.stats import binomtest
+
+    def correct(path: Path) -> dict[str, int]:
+        with open(path, newline="") as f:
+            return {row["path"]: int(row["correct"]) for row in csv.DictReader(f)}
+
+    a, b = correct(ours), correct(theirs)
+    common = a.keys() & b.keys()
+    only_ours = sum(1 for p in common if a[p] and not b[p])
+    only_theirs = sum(1 for p in common if b[p] and not a[p])
+    if only_ours + only_theirs == 0:
+        return 1.0
+    return float(binomtest(only_ours, only_ours + only_theirs, 0.5).pvalue)
+
+
+def champion_version(client: MlflowClient, name: str):
+    try:
+        return client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        return None
+
+
+def decide(spec: RegistrySpec, value: float, champion, p_value: float | None) -> tuple[bool, str]:
+    if not spec.promote:
+        return False, "promotion disabled (registry.promote=false)"
+    if champion is None:
+        return True, "no champion yet"
+    best = float(champion.tags[f"test_{spec.metric}"])
+    gain = value - best
+    if gain <= 0 or gain < spec.min_improvement:
+        return False, (f"test_{spec.metric} {value:.4f} does not beat champion v{champion.version} "
+                       f"({best:.4f}) by at least {spec.min_improvement:g}")
+    if spec.significance is not None and p_value is not None and p_value >= spec.significance:
+        return False, (f"gain {gain:+.4f} over v{champion.version} is not significant "
+                       f"(McNemar p={p_value:.3g} >= {spec.significance:g})")
+    return True, f"test_{spec.metric} {value:.4f} beats champion v{champion.version} ({best:.4f})"
+
+
+@task(retries=2, retry_delay_seconds=3)
+def register_model(trained: TrainResult, evaluation: Evaluation, manifest: Path,
+                   training: TrainingSpec, registry: RegistrySpec, mlflow_run_id: str,
+                   lineage: dict[str, str]) -> Registration:
+    """Register a version (once per flow run) and move `champion` only for a better model."""
+    logger = get_run_logger()
+    mlflow.set_tracking_uri(tracking_uri())  # the fluent API below reads the global URI
+    client = MlflowClient(tracking_uri())
+    name, metric = registry.model_name, registry.metric
+    value = evaluation.metrics[metric]
+    flow_run_id = lineage["prefect_flow_run_id"]
+    try:
+        client.create_registered_model(name)
+    except MlflowException:
+        pass  # it exists
+    found = client.search_model_versions(
+        f"name='{name}' and tags.prefect_flow_run_id='{flow_run_id}'")
+    if found:  # a retried task: the version exists, only the gate may be missing
+        version = found[0]
+        logger.info("version %s already registered for this flow run", version.version)
+    else:
+        job = TrainJob(manifest=manifest, training=training, output_dir=trained.output_dir)
+        model_uri = log_model(job, trained.weights, mlflow_run_id)
+        tags = {**lineage, f"test_{metric}": repr(value), "metric": metric,
+                "training_spec": training.model_dump_json(),
+                **{f"test_{k}": repr(v) for k, v in evaluation.metrics.items()}}
+        version = mlflow.register_model(model_uri, name, tags=tags)
+        client.set_model_version_tag(name, version.version, "predictions_run_id", mlflow_run_id)
+
+    champion = champion_version(client, name)
+    p_value = None
+    if registry.significance is not None and champion is not None:
+        theirs = Path(client.download_artifacts(champion.tags["predictions_run_id"],
+                                                "evaluation/predictions.csv"))
+        p_value = mcnemar_p_value(evaluation.predictions, theirs)
+    promoted, reason = decide(registry, value, champion, p_value)
+    client.set_registered_model_alias(name, CHALLENGER, version.version)
+    if promoted:
+        client.set_registered_model_alias(name, CHAMPION, version.version)
+        keep_best_champion(client, name, metric, version.version, value)
+    champion_value = float(champion.tags[f"test_{metric}"]) if champion is not None else None
+    for key, tag in {"promotion": "promoted" if promoted else "not promoted",
+                     "promotion_reason": reason,
+                     "champion_value_at_decision": repr(champion_value),
+                     "mcnemar_p_value": repr(p_value)}.items():
+        client.set_model_version_tag(name, version.version, key, tag)
+    aliases = client.get_model_version(name, version.version).aliases
+    logger.info("%s v%s: %s (%s)", name, version.version,
+                "promoted to champion" if promoted else "challenger", reason)
+    return Registration(model_name=name, version=str(version.version), aliases=list(aliases),
+                        promoted=promoted, reason=reason, metric=metric, value=value,
+                        champion_value=champion_value, p_value=p_value)
+
+
+def keep_best_champion(client: MlflowClient, name: str, metric: str, version: str,
+                       value: float, rounds: int = 3) -> None:
+    """Undo a race with a concurrent, worse promotion: the champion must be the better model.
+
+    Two runs can read the same old champion and both decide to promote; whichever sets the
+    alias last would win. Each promoter re-reads the alias and takes it back when the
+    holder's recorded metric is lower than its own, so the better model ends as champion.
+    """
+    for _ in range(rounds):
+        time.sleep(0.5)
+        holder = champion_version(client, name)
+        if holder is None or holder.version == version:
+            continue
+        if float(holder.tags.get(f"test_{metric}", "-inf")) < value:
+            client.set_registered_model_alias(name, CHAMPION, version)
+
+
+

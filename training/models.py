@@ -1,0 +1,87 @@
+"""Model construction: the classic MNIST BasicNet and any torchvision classifier by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class BasicNet(nn.Module):
+    """The PyTorch MNIST example network, sized from the image and class count."""
+
+    def __init__(self, num_classes: int, channels: int = 1, image_size: int = 28):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        side = (image_size - 4) // 2
+        self.fc1 = nn.Linear(64 * side * side, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv1(x))
+        x = torch.relu(self.conv2(x))
+        x = self.dropout1(torch.max_pool2d(x, 2))
+        x = self.dropout2(torch.relu(self.fc1(torch.flatten(x, 1))))
+        return self.fc2(x)
+
+
+def input_channels(model_name: str, data_channels: int) -> int:
+    """Torchvision models take RGB; BasicNet takes the data as it is."""
+    return data_channels if model_name == "basicnet" else 3
+
+
+def normalization(model_name: str, pretrained: bool, channels: int) -> tuple[list[float], list[float]]:
+    if pretrained:
+        return list(IMAGENET_MEAN), list(IMAGENET_STD)
+    return [0.5] * channels, [0.5] * channels
+
+
+def pretrained_weights_file(model_name: str) -> Path:
+    """Where torchvision looks for the default weights of `model_name` in the local torch cache."""
+    import torchvision
+
+    weights = torchvision.models.get_model_weights(model_name).DEFAULT
+    return Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+
+
+def build_model(model_name: str, num_classes: int, channels: int, image_size: int,
+                pretrained: bool = False) -> nn.Module:
+    if model_name == "basicnet":
+        if pretrained:
+            raise ValueError("basicnet has no pretrained weights; set training.pretrained=false")
+        return BasicNet(num_classes, channels, image_size)
+    import torchvision
+
+    if not pretrained:
+        return torchvision.models.get_model(model_name, weights=None, num_classes=num_classes)
+    expected = pretrained_weights_file(model_name)
+    if not expected.is_file():
+        # No download is attempted: training machines may have no internet, and a silent
+        # fallback to random weights would waste a whole training run.
+        raise FileNotFoundError(
+            f"pretrained weights for {model_name} are not in the torch cache: expected {expected}. "
+            f"Copy the file there (or set TORCH_HOME), or set training.pretrained=false"
+        )
+    weights = torchvision.models.get_model_weights(model_name).DEFAULT
+    model = torchvision.models.get_model(model_name, weights=weights)
+    _replace_head(model, num_classes)
+    return model
+
+
+def _replace_head(model: nn.Module, num_classes: int) -> None:
+    """Swap the last Linear layer (resnet.fc, vgg.classifier[6], ...) for one of `num_classes`."""
+    name, last = next(
+        ((n, m) for n, m in reversed(list(model.named_modules())) if isinstance(m, nn.Linear)),
+        (None, None),
+    )
+    if last is None:
+        raise ValueError(f"{type(model).__name__} has no Linear head to replace")
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    setattr(parent, name.rpartition(".")[2], nn.Linear(last.in_features, num_classes))

@@ -1,0 +1,61 @@
+"""The structured channel from the training processes to whoever launched them.
+
+Each rank appends JSON lines to its own file, `progress/rank<N>.jsonl`, flushed per line: the
+task tails them for epoch metrics, heartbeats (the hang watchdog) and per-rank errors,
+instead of scraping free text.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+def progress_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "progress"
+
+
+class ProgressWriter:
+    def __init__(self, output_dir: Path, rank: int):
+        folder = progress_dir(output_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self._file = open(folder / f"rank{rank}.jsonl", "a", encoding="utf-8", buffering=1)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        record = {"event": event, "rank": self.rank, "time": time.time(), **fields}
+        self._file.write(json.dumps(record, default=str) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class ProgressReader:
+    """Reads new complete lines from every rank's file; a partial last line waits for its end."""
+
+    def __init__(self, output_dir: Path):
+        self.folder = progress_dir(output_dir)
+        self._offsets: dict[Path, int] = {}
+
+    def skip_existing(self) -> None:
+        """Ignore events from earlier attempts (a retry appends to the same files)."""
+        for path in sorted(self.folder.glob("rank*.jsonl")):
+            self._offsets[path] = path.stat().st_size
+
+    def poll(self) -> list[dict[str, Any]]:
+        events = []
+        for path in sorted(self.folder.glob("rank*.jsonl")):
+            offset = self._offsets.get(path, 0)
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self._offsets[path] = offset + end
+            for line in data[:end].splitlines():
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return sorted(events, key=lambda e: e.get("time", 0))
