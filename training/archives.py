@@ -81,6 +81,9 @@ def extract_zip(archive: Path, target: Path, *, nested: bool = True) -> Path:
 
 
 def _extract_in_place(archive: Path, target: Path) -> None:
-    check_zip(archive)
+    """train.zip holding train/... lands in train/, not train/train/."""
+    entries = check_zip(archive)
+    tops = {PurePosixPath(e.filename).parts[0] for e in entries if e.filename.strip("/")}
+    destination = target.parent if tops == {target.name} else target
     with zipfile.ZipFile(archive) as zf:
-        zf.extractall(target)
+        zf.extractall(destination)

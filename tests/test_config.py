@@ -1,0 +1,65 @@
+"""The configuration models: defaults, validation, and errors that show valid usage."""
+
+import pytest
+from pydantic import ValidationError
+
+from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec, TrainJob
+
+
+def test_defaults_need_only_the_source():
+    spec = DatasetSpec(source="builtin:digits")
+    assert (spec.labels, spec.subdir, spec.kind) == ("folders", None, "builtin")
+    assert SplitSpec() == SplitSpec(val_fraction=0.1, test_fraction=0.1, seed=42)
+    training = TrainingSpec()
+    assert (training.model, training.pretrained, training.mixed_precision) == (
+        "basicnet", False, "no")
+    assert RegistrySpec().metric == "accuracy"
+
+
+def test_kaggle_sources_are_parsed():
+    assert DatasetSpec(source="kaggle:competitions/dogs-vs-cats").kaggle_ref == (
+        "competitions", "dogs-vs-cats")
+    assert DatasetSpec(source="kaggle:datasets/owner/some-data").kaggle_ref == (
+        "datasets", "owner/some-data")
+
+
+@pytest.mark.parametrize(("model", "fields", "needle"), [
+    (DatasetSpec, {"source": "s3://bucket/images"}, "unknown dataset source scheme 's3'"),
+    (DatasetSpec, {"source": "builtin:mnist"}, 'available: "builtin:digits"'),
+    (DatasetSpec, {"source": "kaggle:dogs"}, "kaggle:competitions/dogs-vs-cats"),
+    (DatasetSpec, {"source": "x", "labels": "xml"}, 'use "folders", "filename"'),
+    (DatasetSpec, {"source": "x", "labels": "csv:../etc/passwd"}, "relative to the source"),
+    (DatasetSpec, {"source": "x", "color": "red"}, "Extra inputs are not permitted"),
+    (SplitSpec, {"val_fraction": 0.5, "test_fraction": 0.5}, "must sum below 1"),
+    (SplitSpec, {"val_fraction": -0.1}, "greater than 0"),
+    (TrainingSpec, {"epochs": -1}, "greater than or equal to 1"),
+    (TrainingSpec, {"num_processes": 0}, "at least 1"),
+    (TrainingSpec, {"model": "resnet-18"}, "unknown model 'resnet-18'"),
+    (TrainingSpec, {"optimizer": "adagrad"}, "unknown optimizer 'adagrad'; use one of adam"),
+    (TrainingSpec, {"mixed_precision": "fp8"}, "'no', 'fp16' or 'bf16'"),
+    (TrainingSpec, {"num_machines": 2}, "main_process_ip"),
+    (TrainingSpec, {"batch_sise": 3}, "Extra inputs are not permitted"),
+])
+def test_bad_values_name_the_problem(model, fields, needle):
+    with pytest.raises(ValidationError) as error:
+        model(**fields)
+    assert needle in str(error.value)
+
+
+def test_any_torchvision_classifier_is_accepted():
+    for name in ("resnet18", "vgg16", "mobilenet_v3_small", "efficientnet_b0"):
+        assert TrainingSpec(model=name).model == name
+
+
+def test_job_file_round_trip(tmp_path):
+    job = TrainJob(manifest=tmp_path / "m.csv", output_dir=tmp_path / "out",
+                   training={"epochs": 3, "num_processes": 2})
+    again = TrainJob.model_validate_json(job.model_dump_json())
+    assert again == job and again.training.epochs == 3
+
+
+def test_auto_processes_on_a_cpu_machine(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert TrainingSpec(num_processes="auto").resolved_num_processes() == 2
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert TrainingSpec(num_processes="auto").resolved_num_processes() == 1
