@@ -6,6 +6,7 @@ to the Prefect log, artifacts and retries.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -148,10 +149,8 @@ def kill_group(proc: subprocess.Popen) -> None:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and _group_alive(pgid):
             time.sleep(0.1)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _group_alive(pgid: int) -> bool:

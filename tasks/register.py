@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
-
 import time
 from pathlib import Path
 
@@ -124,10 +124,8 @@ def register_model(trained: TrainResult, evaluation: Evaluation, manifest: Path,
     name, metric = registry.model_name, registry.metric
     value = evaluation.metrics[metric]
     flow_run_id = lineage["prefect_flow_run_id"]
-    try:
+    with contextlib.suppress(MlflowException):  # it exists already
         client.create_registered_model(name)
-    except MlflowException:
-        pass  # it exists
     found = client.search_model_versions(
         f"name='{name}' and tags.prefect_flow_run_id='{flow_run_id}'")
     if found:  # a retried task: the version exists, only the gate may be missing

@@ -15,7 +15,6 @@ import io
 import json
 from pathlib import Path
 
-
 import torch
 from safetensors.torch import load_model
 from torch.utils.data import DataLoader

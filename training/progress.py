@@ -22,7 +22,8 @@ class ProgressWriter:
         folder = progress_dir(output_dir)
         folder.mkdir(parents=True, exist_ok=True)
         self.rank = rank
-        self._file = open(folder / f"rank{rank}.jsonl", "a", encoding="utf-8", buffering=1)
+        # Held open for the whole run; line-buffered so every event is on disk when written.
+        self._file = open(folder / f"rank{rank}.jsonl", "a", encoding="utf-8", buffering=1)  # noqa: SIM115
 
     def emit(self, event: str, **fields: Any) -> None:
         record = {"event": event, "rank": self.rank, "time": time.time(), **fields}

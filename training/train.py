@@ -23,21 +23,20 @@ import time
 import traceback
 from pathlib import Path
 
-from training.tracking import RunLogger  # noqa: I001  (sets MLflow HTTP limits before mlflow loads)
-
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from safetensors.torch import load_model, save_model
 from torch.utils.data import DataLoader
 
-from training.config import TrainJob, TrainingSpec
+from training.config import TrainingSpec, TrainJob
 from training.data import CachedImages, Normalize, cache_side, decode_split
-from training.faults import inject_fault, die_with_parent
+from training.faults import die_with_parent, inject_fault
 from training.models import build_model, input_channels, normalization
 from training.progress import ProgressWriter
 from training.split import read_summary
 from training.storage import atomic_path, write_json_atomic
+from training.tracking import RunLogger
 
 KEEP_CHECKPOINTS = 2
 

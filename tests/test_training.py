@@ -1,0 +1,184 @@
+"""Real `accelerate launch` runs: DDP correctness, resume, failures, hangs, ports, machines."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from tasks.launcher import LaunchFailed, LaunchHung, free_port
+from tasks.train import run_training
+from training.config import TrainJob
+from training.models import build_model
+from training.progress import ProgressReader
+
+pytestmark = pytest.mark.slow
+LOG = logging.getLogger("test-training")
+
+
+def _job(digits_split, tmp_path, name="run", **training):
+    _, split = digits_split
+    spec = {"epochs": 2, "batch_size": 50, "image_size": 12, "num_processes": 2, **training}
+    return TrainJob(manifest=split.manifest, output_dir=tmp_path / name, training=spec)
+
+
+def _rank_pids(output_dir) -> list[int]:
+    reader = ProgressReader(output_dir)
+    return [e["pid"] for e in reader.poll() if e["event"] == "start"]
+
+
+def _alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
+    _, split = digits_split
+    val_size = sum(split.counts["val"].values())
+    assert val_size % 50 != 0  # the batch size does not divide the split
+    job = _job(digits_split, tmp_path)
+    result = run_training(job, LOG)
+    starts = [e for e in ProgressReader(job.output_dir).poll() if e["event"] == "start"]
+    assert sorted(e["rank"] for e in starts) == [0, 1]
+    assert {e["world_size"] for e in starts} == {2}  # what ran, not what was asked
+    assert result.world_size == 2
+    assert all(h["val_images"] == val_size for h in result.history)
+    assert len(result.history) == 2
+    assert result.best_metrics["val_accuracy"] > 0.5  # chance is 0.1
+    weights = load_file(result.weights)
+    fresh = build_model("basicnet", 10, 1, 12)
+    assert set(weights) == set(fresh.state_dict())
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in weights)
+    fresh.load_state_dict(weights, strict=True)
+    assert (job.output_dir / "checkpoints" / "epoch_0002" / "trainer_state.json").is_file()
+
+    single = run_training(_job(digits_split, tmp_path, "single", num_processes=1), LOG)
+    assert single.world_size == 1
+    assert [h["val_images"] for h in single.history] == [val_size, val_size]
+
+
+def test_killed_rank_ends_the_launch_and_retry_resumes(digits_split, tmp_path):
+    job = _job(digits_split, tmp_path, epochs=3, heartbeat_steps=1)
+    errors: list[BaseException] = []
+
+    def attempt():
+        try:
+            run_training(job, LOG, extra_env={"TRAINFLOW_FAULT": "slow:step=0.25"})
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=attempt)
+    thread.start()
+    reader, killed_at, pids = ProgressReader(job.output_dir), None, []
+    deadline = time.monotonic() + 120
+    while killed_at is None and time.monotonic() < deadline:
+        events = reader.poll() if reader.folder.exists() else []
+        pids += [e["pid"] for e in events if e["event"] == "start"]
+        if any(e["event"] == "epoch" and e["epoch"] == 1 for e in events):
+            time.sleep(1.0)  # mid-epoch 2
+            victim = next(e for e in ProgressReader(job.output_dir).poll()
+                          if e["event"] == "start" and e["rank"] == 1)
+            os.kill(victim["pid"], signal.SIGKILL)
+            killed_at = time.monotonic()
+        time.sleep(0.1)
+    thread.join(60)
+    assert killed_at is not None, "training never finished epoch 1"
+    assert not thread.is_alive() and time.monotonic() - killed_at < 30
+    assert errors and isinstance(errors[0], LaunchFailed)
+    assert _alive(pids) == []
+
+    resumed = run_training(job, LOG, resume=True)
+    assert [h["epoch"] for h in resumed.history] == [1, 2, 3]
+    events = ProgressReader(job.output_dir).poll()
+    assert any(e["event"] == "resumed" and e["epoch"] == 1 for e in events)
+    epochs_run = [e["epoch"] for e in events if e["event"] == "epoch" and e["rank"] == 0]
+    assert epochs_run == [1, 2, 3]  # epoch 1 was not repeated
+
+
+def test_a_failing_rank_fails_fast_with_its_own_error(digits_split, tmp_path):
+    job = _job(digits_split, tmp_path)
+    started = time.monotonic()
+    with pytest.raises(LaunchFailed) as error:
+        run_training(job, LOG, extra_env={"TRAINFLOW_FAULT": "raise:rank=1:epoch=1:step=2"})
+    assert time.monotonic() - started < 60
+    message = str(error.value)
+    assert message.startswith("rank 1 failed")
+    assert "RuntimeError: injected fault on rank 1 at epoch 1 step 2" in message
+    assert "Traceback" in message
+    assert _alive(_rank_pids(job.output_dir)) == []
+
+
+def test_a_hung_rank_is_detected_by_the_watchdog(digits_split, tmp_path):
+    job = _job(digits_split, tmp_path, hang_timeout_s=6, heartbeat_steps=1)
+    started = time.monotonic()
+    with pytest.raises(LaunchHung) as error:
+        run_training(job, LOG, extra_env={"TRAINFLOW_FAULT": "hang:rank=1:epoch=1:step=3"})
+    assert time.monotonic() - started < 60
+    assert "no rank made progress for 6 s" in str(error.value)
+    assert "rank 1 last heartbeat" in str(error.value)
+    assert _alive(_rank_pids(job.output_dir)) == []
+
+
+def test_two_trainings_at_once_do_not_clash(digits_split, tmp_path):
+    results, errors = [], []
+
+    def one(name):
+        try:
+            results.append(run_training(_job(digits_split, tmp_path, name, epochs=1), LOG))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert errors == [] and [r.world_size for r in results] == [2, 2]
+
+
+def test_two_machines_on_loopback_train_one_job(digits_split, tmp_path):
+    """Two `accelerate launch` invocations, machine ranks 0 and 1, one process each."""
+    port = free_port()
+    results, errors = {}, []
+
+    def machine(rank):
+        # Each "machine" has its own disk: its own output folder.
+        job = _job(digits_split, tmp_path, f"machine{rank}", epochs=1, num_processes=1,
+                   num_machines=2, machine_rank=rank, main_process_ip="127.0.0.1",
+                   main_process_port=port)
+        try:
+            results[rank] = run_training(job, LOG) if rank == 0 else _run_worker(job)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=machine, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert errors == []
+    assert results[0].world_size == 2
+    worker_starts = [e for e in ProgressReader(tmp_path / "machine1").poll()
+                     if e["event"] == "start"]
+    assert [(e["rank"], e["world_size"]) for e in worker_starts] == [(1, 2)]
+
+
+def _run_worker(job):
+    """Machine rank 1 hosts no rank 0, so it reports success through its exit code alone."""
+    from tasks.launcher import LaunchWatch, launch_command, launch_env, run_launch
+    from tasks.train import write_job
+
+    command = launch_command(job.training, "training.train", ["--job", str(write_job(job))])
+    return run_launch(command, launch_env(), job.output_dir, LaunchWatch(hang_timeout_s=120))
