@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 
-from prefect import get_run_logger, task
+from prefect import task
 
+from tasks import run_logger
 from training.config import DatasetSpec, SplitSpec
 from training.datasets import DatasetRef, prepare
 from training.kaggle_source import KaggleCredentials
@@ -34,7 +35,7 @@ def credentials_from_secret_block() -> KaggleCredentials | None:
 @task(retries=2, retry_delay_seconds=5)
 def prepare_dataset(dataset: DatasetSpec) -> DatasetRef:
     """Fetch (once) and list the labelled images of the dataset source."""
-    logger = get_run_logger()
+    logger = run_logger()
     ref = prepare(dataset, home(), credentials_from_secret_block())
     logger.info("dataset %s: %d images in %d classes at %s (fingerprint %s)", dataset.source,
                 ref.image_count, len(ref.class_names), ref.root, ref.fingerprint[:12])
@@ -44,7 +45,7 @@ def prepare_dataset(dataset: DatasetSpec) -> DatasetRef:
 @task
 def split_dataset(dataset: DatasetRef, split: SplitSpec) -> SplitResult:
     """Check every image and write the stratified, stable train/val/test manifest."""
-    logger = get_run_logger()
+    logger = run_logger()
     result = make_split(dataset, split, home())
     logger.info("manifest %s: %s", result.manifest,
                 {name: sum(c.values()) for name, c in result.counts.items()})

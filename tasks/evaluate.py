@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlflow import MlflowClient
-from prefect import get_run_logger, task
+from prefect import task
 from pydantic import BaseModel
 
+from tasks import run_logger
 from tasks.train import TrainResult
 from training.config import TrainingSpec, TrainJob
 from training.evaluate import evaluate
@@ -27,7 +28,7 @@ class Evaluation(BaseModel):
 def evaluate_model(trained: TrainResult, manifest: Path, training: TrainingSpec,
                    mlflow_run_id: str) -> Evaluation:
     """Evaluate the best weights on the test split, once per image, and log the results."""
-    logger = get_run_logger()
+    logger = run_logger()
     job = TrainJob(manifest=manifest, training=training, output_dir=trained.output_dir)
     out = trained.output_dir.parent / "evaluation"
     metrics = evaluate(job, trained.weights, out)

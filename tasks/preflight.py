@@ -6,8 +6,9 @@ import hashlib
 import importlib.util
 import os
 
-from prefect import get_run_logger, task
+from prefect import task
 
+from tasks import run_logger
 from training.config import DatasetSpec, RegistrySpec, TrainingSpec
 from training.datasets import check_source
 from training.kaggle_source import COMPLETE_MARKER, MISSING_CREDENTIALS, find_credentials
@@ -88,5 +89,5 @@ def check_before_start(dataset: DatasetSpec, training: TrainingSpec,
     check_mlflow()
     check_dataset(dataset)
     check_training(training)
-    get_run_logger().info("preflight passed: MLflow at %s, dataset %s, %s processes",
+    run_logger().info("preflight passed: MLflow at %s, dataset %s, %s processes",
                           tracking_uri(), dataset.source, training.resolved_num_processes())

@@ -11,9 +11,10 @@ import mlflow
 import torch
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
-from prefect import get_run_logger, task
+from prefect import task
 from pydantic import BaseModel
 
+from tasks import run_logger
 from tasks.evaluate import Evaluation
 from tasks.train import TrainResult
 from training.config import RegistrySpec, TrainingSpec, TrainJob
@@ -118,7 +119,7 @@ def register_model(trained: TrainResult, evaluation: Evaluation, manifest: Path,
                    training: TrainingSpec, registry: RegistrySpec, mlflow_run_id: str,
                    lineage: dict[str, str]) -> Registration:
     """Register a version (once per flow run) and move `champion` only for a better model."""
-    logger = get_run_logger()
+    logger = run_logger()
     mlflow.set_tracking_uri(tracking_uri())  # the fluent API below reads the global URI
     client = MlflowClient(tracking_uri())
     name, metric = registry.model_name, registry.metric

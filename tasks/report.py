@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from mlflow import MlflowClient
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
+from tasks import run_logger
 from tasks.evaluate import Evaluation
 from tasks.register import CHAMPION, Registration, champion_version
 from tasks.tracking import run_url
@@ -24,7 +25,7 @@ def find_unchanged_champion(model_name: str, fingerprint: str, spec_hash: str) -
     same = (champion.tags.get("dataset_fingerprint") == fingerprint
             and champion.tags.get("spec_hash") == spec_hash)
     if same:
-        get_run_logger().info(
+        run_logger().info(
             "skipping training: %s@%s (v%s) was trained on the same dataset fingerprint %s and "
             "training spec; pass force=true to retrain anyway", model_name, CHAMPION,
             champion.version, fingerprint[:12])

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from pydantic import BaseModel
 
+from tasks import run_logger
 from tasks.launcher import LaunchWatch, launch_command, launch_env, run_launch
 from training.config import TrainingSpec, TrainJob
 from training.storage import write_text_atomic
@@ -77,7 +78,7 @@ def run_training(job: TrainJob, logger, resume: bool = True,
 def train_model(manifest: Path, training: TrainingSpec, output_dir: Path,
                 mlflow_run_id: str | None, mlflow_tracking_uri: str | None) -> TrainResult:
     """Train under `accelerate launch`; a retry resumes from the last saved epoch."""
-    logger = get_run_logger()
+    logger = run_logger()
     job = TrainJob(manifest=manifest, training=training, output_dir=output_dir,
                    mlflow_run_id=mlflow_run_id, mlflow_tracking_uri=mlflow_tracking_uri)
     artifact_id = create_progress_artifact(progress=0.0, description="training epochs")

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from training.images import open_image
+from training.images import load_resized
 from training.split import read_manifest
 from training.storage import atomic_path
 
@@ -45,10 +45,7 @@ def decode_split(root: Path, manifest: Path, split: str, side: int, channels: in
         images = np.empty((len(rows), channels, side, side), dtype=np.uint8)
 
         def load(i: int) -> None:
-            img = open_image(root / paths[i], channels, draft=(side, side))
-            img = img.resize((side, side), resample=2)  # bilinear
-            arr = np.asarray(img, dtype=np.uint8)
-            images[i] = arr[None] if channels == 1 else arr.transpose(2, 0, 1)
+            images[i] = load_resized(root / paths[i], side, channels)
 
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             for done, _ in enumerate(pool.map(load, range(len(rows))), start=1):

@@ -6,6 +6,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
@@ -79,3 +80,10 @@ def _palette_is_gray(img: Image.Image) -> bool:
     palette = img.getpalette() or []
     triples = zip(palette[0::3], palette[1::3], palette[2::3], strict=False)
     return all(r == g == b for r, g, b in triples)
+
+
+def load_resized(path: Path, side: int, channels: int) -> np.ndarray:
+    """uint8 [C, side, side]: the one resize used for training, evaluation and serving."""
+    img = open_image(path, channels, draft=(side, side)).resize((side, side), Image.BILINEAR)
+    arr = np.asarray(img, dtype=np.uint8)
+    return arr[None] if channels == 1 else arr.transpose(2, 0, 1)

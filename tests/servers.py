@@ -1,0 +1,54 @@
+"""Real servers for tests, each on 127.0.0.1 and a free port, always stopped afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from tasks.launcher import free_port, kill_group
+
+BIN = Path(sys.executable).parent
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before answering {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+@contextlib.contextmanager
+def started(command: list[str], url: str, log: Path, env: dict | None = None,
+            timeout: float = 120) -> Iterator[subprocess.Popen]:
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        wait_http(url, timeout, proc)
+        yield proc
+    finally:
+        kill_group(proc)
+
+
+@contextlib.contextmanager
+def mlflow_server(folder: Path) -> Iterator[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    command = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+               "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
+               "--artifacts-destination", str(folder / "artifacts"), "--workers", "1"]
+    url = f"http://127.0.0.1:{port}"
+    with started(command, f"{url}/health", folder / "mlflow.log"):
+        yield url

@@ -1,0 +1,56 @@
+"""Evaluation: metrics on a hand-checked case, and the same numbers from 1 and 2 processes."""
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from tasks.launcher import launch_command, launch_env
+from training.config import TrainJob
+from training.evaluate import compute_metrics
+
+
+def test_metrics_on_a_hand_checked_case():
+    # 5 images, 2 classes. Predictions: [0, 1, 1, 0, 1]; truth: [0, 0, 1, 1, 1].
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [0.0, 3.0], [1.0, 0.0], [0.0, 2.0]])
+    labels = torch.tensor([0, 0, 1, 1, 1])
+    m = compute_metrics(logits, labels, ["cat", "dog"])
+    assert m["images"] == 5
+    assert m["accuracy"] == pytest.approx(3 / 5)
+    assert m["confusion_matrix"] == [[1, 1], [1, 2]]
+    # cat: precision 1/2, recall 1/2 -> f1 1/2; dog: precision 2/3, recall 2/3 -> f1 2/3
+    assert m["per_class"]["cat"]["f1"] == pytest.approx(0.5)
+    assert m["per_class"]["dog"]["precision"] == pytest.approx(2 / 3)
+    assert m["macro_f1"] == pytest.approx((0.5 + 2 / 3) / 2)
+    # dog-vs-cat logit margins: cats -2, 1; dogs 3, -1, 2. Of the 6 (dog, cat) pairs the dog
+    # scores higher in 5 (all but -1 < 1).
+    assert m["roc_auc"] == pytest.approx(5 / 6)
+    expected_loss = torch.nn.functional.cross_entropy(logits, labels).item()
+    assert m["loss"] == pytest.approx(expected_loss)
+
+
+@pytest.mark.slow
+def test_one_and_two_processes_give_identical_metrics(digits_split, tmp_path):
+    import logging
+
+    from tasks.train import run_training
+
+    _, split = digits_split
+    job = TrainJob(manifest=split.manifest, output_dir=tmp_path / "train",
+                   training={"epochs": 1, "image_size": 12, "num_processes": 1, "batch_size": 32})
+    trained = run_training(job, logging.getLogger("t"))
+    results = {}
+    for n in (1, 2):
+        spec = job.training.model_copy(update={"num_processes": n})
+        command = launch_command(spec, "training.evaluate",
+                                 ["--job", str(tmp_path / "train" / "job.json"),
+                                  "--weights", str(trained.weights), "--out", str(tmp_path / f"e{n}")])
+        done = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:]
+        results[n] = json.loads((tmp_path / f"e{n}" / "metrics.json").read_text())
+    test_size = sum(split.counts["test"].values())
+    assert results[1]["images"] == results[2]["images"] == test_size
+    assert results[1] == results[2]
+    assert (tmp_path / "e1" / "predictions.csv").read_bytes() == (
+        tmp_path / "e2" / "predictions.csv").read_bytes()
