@@ -65,7 +65,7 @@ def log_model(job: TrainJob, weights: Path, run_id: str) -> str:
         mlflow.log_artifact(str(weights), artifact_path="weights")
         model_info = mlflow.pytorch.log_model(
             served, name="model", signature=signature, input_example=example.numpy(),
-            code_paths=[str(TRAINING_DIR)], metadata=info,
+            code_paths=[str(TRAINING_DIR)], metadata=info, serialization_format="pickle",
             # Explicit requirements: inferring them starts a subprocess that imports the model.
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
                               f"torchvision=={torchvision.__version__.split('+')[0]}",

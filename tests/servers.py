@@ -33,8 +33,11 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) ->
 def started(command: list[str], url: str, log: Path, env: dict | None = None,
             timeout: float = 120) -> Iterator[subprocess.Popen]:
     with open(log, "ab") as out:
+        # Servers exec helpers (uvicorn, gunicorn) by name: this environment's bin comes first.
+        path = os.pathsep.join([str(BIN), os.environ.get("PATH", "")])
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
+                                env={**os.environ, "PATH": path, **(env or {})},
+                                start_new_session=True)
     try:
         wait_http(url, timeout, proc)
         yield proc

@@ -1,0 +1,107 @@
+"""Local services for deployments: Prefect server, MLflow server and a process worker.
+
+    python -m flows.services start --folder .services     # (make services)
+    python -m flows.services stop --folder .services      # (make stop)
+
+Everything binds to 127.0.0.1. Process ids go to <folder>/<name>.pid and logs to
+<folder>/<name>.log; `stop` ends exactly the processes it recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from training.storage import home
+
+BIN = Path(sys.executable).parent
+POOL = "train-pool"
+
+
+def _start(name: str, command: list[str], folder: Path, env: dict[str, str]) -> None:
+    pid_file = folder / f"{name}.pid"
+    if pid_file.exists() and _alive(int(pid_file.read_text())):
+        print(f"{name} already running (pid {pid_file.read_text().strip()})")
+        return
+    with open(folder / f"{name}.log", "ab") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    pid_file.write_text(str(proc.pid))
+    print(f"started {name} (pid {proc.pid}), log {folder / f'{name}.log'}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def _wait(url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise SystemExit(f"{url} did not answer within {timeout:.0f} s; see the logs")
+
+
+def start(folder: Path, prefect_port: int, mlflow_port: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    prefect_url = f"http://127.0.0.1:{prefect_port}/api"
+    mlflow_url = f"http://127.0.0.1:{mlflow_port}"
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PREFECT_API_URL": prefect_url, "MLFLOW_TRACKING_URI": mlflow_url,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    store = home() / "mlflow-server"
+    store.mkdir(parents=True, exist_ok=True)
+    _start("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
+                              "--port", str(prefect_port)], folder, env)
+    _start("mlflow-server", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port",
+                             str(mlflow_port), "--backend-store-uri",
+                             f"sqlite:///{store / 'mlflow.db'}", "--artifacts-destination",
+                             str(store / "artifacts")], folder, env)
+    _wait(f"{prefect_url}/health")
+    _wait(f"{mlflow_url}/health")
+    subprocess.run([str(BIN / "prefect"), "work-pool", "create", POOL, "--type", "process",
+                    "--overwrite"], env=env, check=True, capture_output=True)
+    _start("worker", [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type",
+                      "process"], folder, env)
+    print(f"\nPrefect UI  http://127.0.0.1:{prefect_port}\nMLflow UI   {mlflow_url}\n"
+          f"Use them from this shell:\n  export PREFECT_API_URL={prefect_url} "
+          f"MLFLOW_TRACKING_URI={mlflow_url}")
+
+
+def stop(folder: Path) -> None:
+    for pid_file in sorted(folder.glob("*.pid")):
+        pid = int(pid_file.read_text())
+        if _alive(pid):
+            os.killpg(os.getpgid(pid), signal.SIGTERM)
+            print(f"stopped {pid_file.stem} (pid {pid})")
+        pid_file.unlink()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Start or stop the local services.")
+    parser.add_argument("action", choices=["start", "stop"])
+    parser.add_argument("--folder", type=Path, default=Path(".services"))
+    parser.add_argument("--prefect-port", type=int, default=4200)
+    parser.add_argument("--mlflow-port", type=int, default=5000)
+    args = parser.parse_args()
+    if args.action == "start":
+        start(args.folder, args.prefect_port, args.mlflow_port)
+    else:
+        stop(args.folder)
+
+
+if __name__ == "__main__":
+    main()

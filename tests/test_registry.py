@@ -1,0 +1,174 @@
+"""Registration and the champion/challenger gate on real MLflow stores, then load, serve, predict."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import urllib.request
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from flows.predict import preprocess
+from tasks.evaluate import evaluate_model
+from tasks.launcher import free_port
+from tasks.register import register_model
+from tasks.train import run_training
+from tests.servers import mlflow_server, started
+from training.config import RegistrySpec, TrainJob
+from training.split import read_manifest
+
+pytestmark = pytest.mark.slow
+NAME = "digits-test"
+
+
+@pytest.fixture(scope="module")
+def models(digits_split, tmp_path_factory):
+    """Three real trainings of clearly different quality."""
+    _, split = digits_split
+    folder = tmp_path_factory.mktemp("models")
+    settings = {"good": {"epochs": 1, "lr": 1e-3}, "worse": {"epochs": 1, "lr": 1e-6},
+                "better": {"epochs": 6, "lr": 2e-3}}
+    trained = {}
+    for name, extra in settings.items():
+        job = TrainJob(manifest=split.manifest, output_dir=folder / name / "train",
+                       training={"image_size": 12, "num_processes": 1, "batch_size": 32, **extra})
+        trained[name] = (job.training, run_training(job, logging.getLogger("t")))
+    return split, trained
+
+
+def _register(models, which, client, registry=None, flow_run_id=None):
+    split, trained = models
+    training, result = trained[which]
+    run_id = client.create_run(client.create_experiment(f"e-{which}-{flow_run_id}")
+                               ).info.run_id
+    evaluation = evaluate_model.fn(result, split.manifest, training, run_id)
+    lineage = {"prefect_flow_run_id": flow_run_id or f"flow-{which}", "git_commit": "test",
+               "dataset_fingerprint": "fp", "manifest_sha256": split.manifest_sha256}
+    reg = register_model.fn(result, evaluation, split.manifest, training,
+                            registry or RegistrySpec(model_name=NAME), run_id, lineage)
+    return evaluation, reg
+
+
+def _gate_story(models, client):
+    good_eval, first = _register(models, "good", client)
+    assert (first.version, first.promoted, first.reason) == ("1", True, "no champion yet")
+    assert set(first.aliases) == {"champion", "challenger"}
+
+    worse_eval, second = _register(models, "worse", client)
+    assert worse_eval.metrics["accuracy"] < good_eval.metrics["accuracy"]
+    assert second.promoted is False and "does not beat champion v1" in second.reason
+    assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
+    assert str(client.get_model_version_by_alias(NAME, "challenger").version) == "2"
+
+    better_eval, third = _register(models, "better", client)
+    assert better_eval.metrics["accuracy"] > good_eval.metrics["accuracy"]
+    assert third.promoted is True and third.champion_value == good_eval.metrics["accuracy"]
+    assert str(client.get_model_version_by_alias(NAME, "champion").version) == "3"
+    tags = client.get_model_version(NAME, "3").tags
+    assert tags["promotion"] == "promoted"
+    assert float(tags["test_accuracy"]) == better_eval.metrics["accuracy"]
+    assert float(tags["champion_value_at_decision"]) == good_eval.metrics["accuracy"]
+    assert tags["prefect_flow_run_id"] == "flow-better" and tags["dataset_fingerprint"] == "fp"
+    assert client.get_model_version(NAME, "2").tags["promotion"] == "not promoted"
+
+    # A retried task finds its version instead of registering another.
+    again = _register(models, "better", client, flow_run_id="flow-better")[1]
+    assert again.version == "3"
+    assert len(client.search_model_versions(f"name='{NAME}'")) == 3
+    return better_eval
+
+
+def test_gate_on_a_sqlite_store(models, tmp_path, monkeypatch):
+    client = _sqlite_client(tmp_path, monkeypatch)
+    better_eval = _gate_story(models, client)
+
+    # Load by alias and classify a preprocessed batch of test images.
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    uri = f"models:/{NAME}@champion"
+    info = mlflow.models.get_model_info(uri).metadata
+    assert info["class_names"] == [str(d) for d in range(10)]
+    split, _ = models
+    rows = [r for r in read_manifest(split.manifest) if r[2] == "test"][:40]
+    batch = preprocess([split.root / p for p, _, _ in rows], info["preprocessing"])
+    model = mlflow.pytorch.load_model(uri)
+    with torch.no_grad():
+        probs = model(batch)
+    assert torch.allclose(probs.sum(1), torch.ones(len(rows)), atol=1e-5)
+    predicted = [info["class_names"][i] for i in probs.argmax(1)]
+    expected = {p: pred for p, _, pred, _, _ in _predictions(better_eval.predictions)}
+    assert predicted == [expected[p] for p, _, _ in rows]
+
+    # The predict command on PNG files.
+    files = [str(split.root / p) for p, _, _ in rows[:3]]
+    out = subprocess.run([sys.executable, "-m", "flows.predict", "--model", NAME, *files],
+                         capture_output=True, text=True, timeout=120,
+                         env={**_env(), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line.split("\t") for line in out.stdout.strip().splitlines()]
+    assert [(path, label) for path, label, _ in lines] == [
+        (f, expected[p]) for f, (p, _, _) in zip(files, rows, strict=False)]
+    assert all(0 < float(prob) <= 1 for _, _, prob in lines)
+
+    # Serve the champion and ask it over HTTP.
+    port = free_port()
+    command = [str(sys.executable.rsplit("/", 1)[0] + "/mlflow"), "models", "serve", "-m", uri,
+               "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)]
+    with started(command, f"http://127.0.0.1:{port}/ping", tmp_path / "serve.log",
+                 env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}, timeout=180):
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/invocations",
+            data=json.dumps({"inputs": batch[:4].numpy().tolist()}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            scores = np.array(json.loads(response.read())["predictions"])
+    assert scores.shape == (4, 10)
+    assert [info["class_names"][i] for i in scores.argmax(1)] == predicted[:4]
+
+
+def test_gate_on_a_started_mlflow_server(models, tmp_path, monkeypatch):
+    with mlflow_server(tmp_path / "server") as url:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+        _gate_story(models, MlflowClient(url))
+
+
+def _sqlite_client(tmp_path, monkeypatch) -> MlflowClient:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)  # default artifact root ./mlruns lands in tmp_path
+    return MlflowClient(uri)
+
+
+def test_promote_false_registers_without_promoting(models, tmp_path, monkeypatch):
+    client = _sqlite_client(tmp_path, monkeypatch)
+    _, reg = _register(models, "good", client, RegistrySpec(model_name=NAME, promote=False))
+    assert reg.promoted is False and reg.aliases == ["challenger"]
+    assert "promote=false" in reg.reason
+
+
+def test_significance_check_records_mcnemar(models, tmp_path, monkeypatch):
+    client = _sqlite_client(tmp_path, monkeypatch)
+    _register(models, "good", client)
+    strict = RegistrySpec(model_name=NAME, significance=1e-12)
+    _, reg = _register(models, "better", client, strict)
+    assert reg.p_value is not None and 0 < reg.p_value < 1
+    assert reg.promoted is False and "not significant" in reg.reason
+    assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
+
+
+def _predictions(path):
+    import csv
+
+    with open(path, newline="") as f:
+        return [tuple(r.values()) for r in csv.DictReader(f)]
+
+
+def _env():
+    import os
+
+    return dict(os.environ)
