@@ -1,0 +1,65 @@
+"""The whole train-flow on the real Prefect engine and a real MLflow store."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from mlflow import MlflowClient
+
+from flows.train_flow import train_flow
+from training.storage import tracking_uri
+
+pytestmark = pytest.mark.slow
+SMALL = {"epochs": 2, "image_size": 12, "batch_size": 50}
+
+
+def test_full_flow_on_digits(prefect_engine, session_home):
+    started = time.monotonic()
+    result = train_flow(dataset={"source": "builtin:digits"}, training=SMALL,
+                        registry={"model_name": "flow-digits"})
+    assert time.monotonic() - started < 300
+    client = MlflowClient(tracking_uri())
+    run = client.get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["world_size"] == "2"
+    for name in ("train_loss", "train_accuracy", "val_loss", "val_accuracy",
+                 "images_per_second", "epoch_seconds"):
+        history = client.get_metric_history(run.info.run_id, name)
+        assert [m.step for m in history] == [1, 2], name
+    assert run.data.metrics["test_accuracy"] > 0.5
+    assert {"test_loss", "test_macro_f1"} <= set(run.data.metrics)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")}
+    assert {"evaluation/training_curves.png", "evaluation/confusion_matrix.png",
+            "evaluation/worst_predictions.png"} <= artifacts
+    reg = result.registration
+    version = client.get_model_version("flow-digits", reg.version)
+    assert "champion" in version.aliases and reg.promoted
+    assert version.tags["prefect_flow_run_id"] == run.data.tags["prefect.flow_run_id"]
+    assert version.tags["dataset_fingerprint"] == run.data.tags["dataset.fingerprint"]
+
+    # Unchanged data and spec: the scheduled retrain skips; force=True trains and gates.
+    skipped = train_flow(dataset={"source": "builtin:digits"}, training=SMALL,
+                         registry={"model_name": "flow-digits"})
+    assert skipped.skipped and skipped.mlflow_run_id is None
+    forced = train_flow(dataset={"source": "builtin:digits"}, training=SMALL,
+                        registry={"model_name": "flow-digits"}, force=True)
+    assert forced.registration.version == str(int(reg.version) + 1)
+    assert "challenger" in forced.registration.aliases
+
+
+def test_unreachable_mlflow_fails_in_seconds(prefect_engine, monkeypatch):
+    from tasks.launcher import free_port
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    with pytest.raises(Exception, match="MLflow tracking store .* is not reachable"):
+        train_flow(dataset={"source": "builtin:digits"}, training=SMALL)
+    assert time.monotonic() - started < 30
+
+
+def test_bad_parameters_fail_before_any_work(prefect_engine, tmp_path):
+    with pytest.raises(Exception, match="unknown model 'resnet-18'"):
+        train_flow(dataset={"source": "builtin:digits"}, training={"model": "resnet-18"})
+    with pytest.raises(Exception, match="does not exist"):
+        train_flow(dataset={"source": str(tmp_path / "nowhere")})
