@@ -44,15 +44,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait(url: str, timeout: float = 120) -> None:
+def wait_http(url: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
+    """Wait until `url` answers; fail early if the server process `proc` has exited."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before answering {url}")
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return
         except OSError:
-            time.sleep(1)
-    raise SystemExit(f"{url} did not answer within {timeout:.0f} s; see the logs")
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f} s; see the logs")
 
 
 def start(folder: Path, prefect_port: int, mlflow_port: int) -> None:
@@ -70,8 +73,8 @@ def start(folder: Path, prefect_port: int, mlflow_port: int) -> None:
                              str(mlflow_port), "--backend-store-uri",
                              f"sqlite:///{store / 'mlflow.db'}", "--artifacts-destination",
                              str(store / "artifacts")], folder, env)
-    _wait(f"{prefect_url}/health")
-    _wait(f"{mlflow_url}/health")
+    wait_http(f"{prefect_url}/health")
+    wait_http(f"{mlflow_url}/health")
     subprocess.run([str(BIN / "prefect"), "work-pool", "create", POOL, "--type", "process",
                     "--overwrite"], env=env, check=True, capture_output=True)
     _start("worker", [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type",
