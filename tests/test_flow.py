@@ -38,6 +38,14 @@ def test_full_flow_on_digits(prefect_engine, session_home):
     assert version.tags["prefect_flow_run_id"] == run.data.tags["prefect.flow_run_id"]
     assert version.tags["dataset_fingerprint"] == run.data.tags["dataset.fingerprint"]
 
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect:
+        report = prefect.read_latest_artifacts()
+    markdown = next(a.data for a in report if a.key == "train-flow-report")
+    assert f"v{reg.version}" in markdown and "promoted" in markdown
+    assert f"{run.data.metrics['test_accuracy']:.4f}" in markdown
+
     # Unchanged data and spec: the scheduled retrain skips; force=True trains and gates.
     skipped = train_flow(dataset={"source": "builtin:digits"}, training=SMALL,
                          registry={"model_name": "flow-digits"})

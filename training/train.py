@@ -157,6 +157,10 @@ def make_optimizer(spec: TrainingSpec, model: torch.nn.Module) -> torch.optim.Op
 def train_one_epoch(accelerator, model, normalize, optimizer, loader, progress, spec, epoch) -> dict:
     model.train()
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, correct, images
+    if progress.rank == 0 and sys.stdout.isatty():  # a bar for people; plain lines for logs
+        from tqdm import tqdm
+
+        loader = tqdm(loader, desc=f"epoch {epoch}", leave=False)
     for step, (images, labels) in enumerate(loader, start=1):
         inject_fault(progress.rank, epoch, step)
         with accelerator.autocast():
