@@ -63,3 +63,16 @@ def test_auto_processes_on_a_cpu_machine(monkeypatch):
     assert TrainingSpec(num_processes="auto").resolved_num_processes() == 2
     monkeypatch.setattr("os.cpu_count", lambda: 1)
     assert TrainingSpec(num_processes="auto").resolved_num_processes() == 1
+
+
+def test_a_job_file_that_is_not_json_is_refused_before_training(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "job.json"
+    bad.write_text('{"manifest": "m.csv", "output_dir": ')
+    done = subprocess.run([sys.executable, "-m", "training.train", "--job", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"job file {bad} is not a valid training job" in done.stderr
+    assert not (tmp_path / "progress").exists()

@@ -34,8 +34,9 @@ def decode_split(root: Path, manifest: Path, split: str, side: int, channels: in
                  cache_dir: Path, on_progress: Callable[[int, int], None] = lambda done, total: None,
                  ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(images uint8 [N, C, side, side], labels int64 [N], paths) for one split, cached on disk."""
-    rows = [r for r in read_manifest(manifest) if r[2] == split]
-    classes = sorted({label for _, label, _ in read_manifest(manifest)})
+    every_row = read_manifest(manifest)
+    rows = [r for r in every_row if r[2] == split]
+    classes = sorted({label for _, label, _ in every_row})
     index = {name: i for i, name in enumerate(classes)}
     paths = [p for p, _, _ in rows]
     labels = np.array([index[label] for _, label, _ in rows], dtype=np.int64)
