@@ -18,6 +18,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 from training.storage import home
 
 BIN = Path(sys.executable).parent
@@ -38,9 +40,8 @@ def _start(name: str, command: list[str], folder: Path, env: dict[str, str]) -> 
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
@@ -58,14 +59,21 @@ def wait_http(url: str, timeout: float = 120, proc: subprocess.Popen | None = No
     raise TimeoutError(f"{url} did not answer within {timeout:.0f} s; see the logs")
 
 
-def start(folder: Path, prefect_port: int, mlflow_port: int) -> None:
+def services_env(prefect_port: int, mlflow_port: int, extra: dict | None = None) -> dict:
+    """The environment in which the services, `prefect deploy` and the flow runs agree."""
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+            "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **(extra or {})}
+
+
+def start(folder: Path, prefect_port: int, mlflow_port: int, pool: str = POOL,
+          extra_env: dict | None = None) -> dict:
+    """Start the three services (or keep those already running); return their environment."""
     folder.mkdir(parents=True, exist_ok=True)
-    prefect_url = f"http://127.0.0.1:{prefect_port}/api"
-    mlflow_url = f"http://127.0.0.1:{mlflow_port}"
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PREFECT_API_URL": prefect_url, "MLFLOW_TRACKING_URI": mlflow_url,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    store = home() / "mlflow-server"
+    env = services_env(prefect_port, mlflow_port, extra_env)
+    prefect_url, mlflow_url = env["PREFECT_API_URL"], env["MLFLOW_TRACKING_URI"]
+    store = Path(env.get("TRAINFLOW_HOME") or home()).expanduser() / "mlflow-server"
     store.mkdir(parents=True, exist_ok=True)
     _start("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
                               "--port", str(prefect_port)], folder, env)
@@ -75,13 +83,14 @@ def start(folder: Path, prefect_port: int, mlflow_port: int) -> None:
                              str(store / "artifacts")], folder, env)
     wait_http(f"{prefect_url}/health")
     wait_http(f"{mlflow_url}/health")
-    subprocess.run([str(BIN / "prefect"), "work-pool", "create", POOL, "--type", "process",
+    subprocess.run([str(BIN / "prefect"), "work-pool", "create", pool, "--type", "process",
                     "--overwrite"], env=env, check=True, capture_output=True)
-    _start("worker", [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type",
+    _start("worker", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type",
                       "process"], folder, env)
     print(f"\nPrefect UI  http://127.0.0.1:{prefect_port}\nMLflow UI   {mlflow_url}\n"
           f"Use them from this shell:\n  export PREFECT_API_URL={prefect_url} "
           f"MLFLOW_TRACKING_URI={mlflow_url}")
+    return env
 
 
 def stop(folder: Path) -> None:
@@ -89,6 +98,11 @@ def stop(folder: Path) -> None:
         pid = int(pid_file.read_text())
         if _alive(pid):
             os.killpg(os.getpgid(pid), signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if _alive(pid):
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
             print(f"stopped {pid_file.stem} (pid {pid})")
         pid_file.unlink()
 

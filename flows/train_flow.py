@@ -68,8 +68,9 @@ def train_flow(
                                       run_id, lineage)
         publish_report(ref, manifest, trained, evaluation, registration, run_id)
     except BaseException as e:
-        cancelled = not isinstance(e, Exception)
-        close_mlflow_run(run_id, "KILLED" if cancelled else "FAILED")
+        # Called directly, not as a task: a cancelled flow run may not start new task runs,
+        # and the MLflow run must never be left RUNNING.
+        close_mlflow_run.fn(run_id, "FAILED" if isinstance(e, Exception) else "KILLED")
         raise
     close_mlflow_run(run_id, "FINISHED")
     return FlowResult(mlflow_run_id=run_id, trained=trained, evaluation=evaluation,

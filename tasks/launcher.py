@@ -20,6 +20,7 @@ from pathlib import Path
 from queue import Empty, Queue
 
 from training.config import TrainingSpec
+from training.faults import die_with_parent
 from training.progress import ProgressReader
 
 TERMINATE_GRACE_S = 5.0
@@ -100,7 +101,8 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
     lines: Queue[str | None] = Queue()
     proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace",
-                            start_new_session=True, bufsize=1)
+                            start_new_session=True, bufsize=1,
+                            preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     pump = threading.Thread(target=_pump, args=(proc, lines), daemon=True)
     pump.start()
     started = last_progress = time.monotonic()

@@ -1,0 +1,188 @@
+"""End to end as users run it: `make services` code, `prefect deploy`, `prefect deployment run`.
+
+A real Prefect server, MLflow server and process worker on 127.0.0.1 and free ports; the
+flow runs in the worker's subprocess; the test reads the results through both APIs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow import MlflowClient
+
+from flows import services
+from tasks.launcher import free_port
+from training.progress import ProgressReader
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+REPO = Path(__file__).resolve().parents[1]
+PREFECT = str(services.BIN / "prefect")
+SMALL = {"epochs": 1, "image_size": 12, "batch_size": 50, "num_processes": 2}
+
+
+@dataclass
+class Stack:
+    env: dict
+    home: Path
+
+    @property
+    def api(self) -> str:
+        return self.env["PREFECT_API_URL"]
+
+    @property
+    def mlflow(self) -> MlflowClient:
+        return MlflowClient(self.env["MLFLOW_TRACKING_URI"])
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("stack")
+    home = folder / "home"
+    extra = {"TRAINFLOW_HOME": str(home), "PREFECT_HOME": str(folder / "prefect"),
+             "PWD": str(REPO)}  # prefect.yaml's pull step is "{{ $PWD }}" at deploy time
+    try:
+        env = services.start(folder / "services", free_port(), free_port(), pool="e2e-pool",
+                             extra_env=extra)
+        done = subprocess.run([PREFECT, "--no-prompt", "deploy", "--name", "digits", "--pool",
+                               "e2e-pool"], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=180)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        yield Stack(env, home)
+    finally:
+        services.stop(folder / "services")
+
+
+def run_deployment(stack: Stack, params: dict, env: dict | None = None) -> str:
+    command = [PREFECT, "deployment", "run", "train-flow/digits", "--params", json.dumps(params)]
+    if env:
+        command += ["--job-variable", f"env={json.dumps(env)}"]
+    done = subprocess.run(command, env=stack.env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout).group(1)
+
+
+def prefect_client(stack: Stack):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    class _Client:
+        def __enter__(self):
+            self._settings = temporary_settings({PREFECT_API_URL: stack.api})
+            self._settings.__enter__()
+            self._client = get_client(sync_client=True)
+            return self._client.__enter__()
+
+        def __exit__(self, *exc):
+            self._client.__exit__(*exc)
+            self._settings.__exit__(*exc)
+
+    return _Client()
+
+
+def wait_final(stack: Stack, flow_run_id: str, timeout: float = 600):
+    deadline = time.monotonic() + timeout
+    with prefect_client(stack) as client:
+        while time.monotonic() < deadline:
+            run = client.read_flow_run(flow_run_id)
+            if run.state is not None and run.state.is_final():
+                return run
+            time.sleep(2)
+    raise TimeoutError(f"flow run {flow_run_id} did not finish in {timeout} s")
+
+
+def mlflow_run_of(stack: Stack, flow_run_id: str):
+    runs = stack.mlflow.search_runs(
+        [e.experiment_id for e in stack.mlflow.search_experiments()],
+        filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    assert len(runs) == 1
+    return runs[0]
+
+
+def test_deployment_run_trains_registers_and_gates(stack):
+    started = time.monotonic()
+    first = run_deployment(stack, {"training": SMALL})
+    run = wait_final(stack, first)
+    assert run.state.is_completed(), run.state.message
+    with prefect_client(stack) as client:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    names = {t.name.rsplit("-", 1)[0] for t in tasks}
+    assert {"check_before_start", "prepare_dataset", "split_dataset", "train",
+            "evaluate_model", "register_model"} <= names
+    assert all(t.state.is_completed() for t in tasks)
+    tracked = mlflow_run_of(stack, first)
+    assert tracked.info.status == "FINISHED"
+    assert tracked.data.params["world_size"] == "2"
+    assert tracked.data.metrics["test_accuracy"] > 0.5
+    champion = stack.mlflow.get_model_version_by_alias("digits-classifier", "champion")
+    assert champion.tags["prefect_flow_run_id"] == first
+
+    worse = run_deployment(stack, {"training": {**SMALL, "lr": 1e-6}})
+    assert wait_final(stack, worse).state.is_completed()
+    assert stack.mlflow.get_model_version_by_alias("digits-classifier", "champion").version == (
+        champion.version)
+    challenger = stack.mlflow.get_model_version_by_alias("digits-classifier", "challenger")
+    assert challenger.tags["prefect_flow_run_id"] == worse
+    assert challenger.tags["promotion"] == "not promoted"
+    print(f"e2e: two deployment runs in {time.monotonic() - started:.0f} s")
+
+
+def test_cancelling_a_flow_run_stops_every_rank(stack):
+    flow_run_id = run_deployment(
+        stack, {"training": {**SMALL, "epochs": 50, "heartbeat_steps": 1},
+                "registry": {"model_name": "cancel-test"}},
+        env={"TRAINFLOW_FAULT": "slow:step=0.2"})
+    progress = stack.home / "runs" / flow_run_id / "train"
+    deadline, pids = time.monotonic() + 300, []
+    while time.monotonic() < deadline and len(pids) < 2:
+        if (progress / "progress").exists():
+            pids = [e["pid"] for e in ProgressReader(progress).poll() if e["event"] == "start"]
+        time.sleep(0.5)
+    assert len(pids) == 2, "training never started"
+    subprocess.run([PREFECT, "flow-run", "cancel", flow_run_id], env=stack.env, check=True,
+                   capture_output=True, timeout=60)
+    cancelled_at = time.monotonic()
+    run = wait_final(stack, flow_run_id, timeout=120)
+    assert run.state.is_cancelled() or run.state.is_failed()
+    while _alive(pids) and time.monotonic() - cancelled_at < 60:
+        time.sleep(0.2)
+    gone_after = time.monotonic() - cancelled_at
+    assert not _alive(pids)
+    print(f"e2e: every rank gone {gone_after:.1f} s after the cancel request")
+    assert gone_after < 30
+    deadline = time.monotonic() + 30
+    while mlflow_run_of(stack, flow_run_id).info.status == "RUNNING" and time.monotonic() < deadline:
+        time.sleep(1)
+    assert mlflow_run_of(stack, flow_run_id).info.status in ("KILLED", "FAILED")
+
+
+def test_two_flow_runs_at_once_register_both_and_keep_the_better(stack):
+    registry = {"model_name": "concurrent-digits"}
+    good = run_deployment(stack, {"training": {**SMALL, "lr": 1e-4}, "registry": registry})
+    better = run_deployment(stack, {"training": {**SMALL, "epochs": 3, "lr": 2e-3},
+                                    "registry": registry})
+    assert wait_final(stack, good).state.is_completed()
+    assert wait_final(stack, better).state.is_completed()
+    versions = stack.mlflow.search_model_versions("name='concurrent-digits'")
+    assert sorted(v.tags["prefect_flow_run_id"] for v in versions) == sorted([good, better])
+    best = max(versions, key=lambda v: float(v.tags["test_accuracy"]))
+    champion = stack.mlflow.get_model_version_by_alias("concurrent-digits", "champion")
+    assert champion.version == best.version
+
+
+def _alive(pids) -> bool:
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            pass
+    return False
