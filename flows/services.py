@@ -64,7 +64,10 @@ def services_env(prefect_port: int, mlflow_port: int, extra: dict | None = None)
     return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
             "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
             "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}",
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **(extra or {})}
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            # Notice a cancelled flow run in seconds even when the event stream is quiet, so
+            # that training ranks stop holding GPUs soon after the user cancels.
+            "PREFECT_WORKER_CANCELLATION_POLL_SECONDS": "2", **(extra or {})}
 
 
 def start(folder: Path, prefect_port: int, mlflow_port: int, pool: str = POOL,

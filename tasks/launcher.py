@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
 
+import psutil
+
 from training.config import TrainingSpec
 from training.faults import die_with_parent
 from training.progress import ProgressReader
@@ -138,29 +140,29 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the whole process group, then SIGKILL whatever is left after a grace period."""
+    """SIGTERM the launcher and every process below it, then SIGKILL what is left.
+
+    The whole tree, not just the process group: torchrun starts each rank in a session of its
+    own, so a signal to the launcher's group alone would leave the ranks to torchrun's own
+    (30 s) shutdown.
+    """
     try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return
-    for sig, wait in ((signal.SIGTERM, TERMINATE_GRACE_S), (signal.SIGKILL, 0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and _group_alive(pgid):
-            time.sleep(0.1)
+        tree = [psutil.Process(proc.pid)]
+        tree += tree[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for process in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(sig)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        wait = TERMINATE_GRACE_S if sig == signal.SIGTERM else 5
+        _, tree = psutil.wait_procs(tree, timeout=wait)
+        if not tree:
+            break
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 def _pump(proc: subprocess.Popen, lines: Queue) -> None:
