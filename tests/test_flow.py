@@ -55,6 +55,16 @@ def test_full_flow_on_digits(prefect_engine, session_home):
     assert forced.registration.version == str(int(reg.version) + 1)
     assert "challenger" in forced.registration.aliases
 
+    # Reproduce version 1 from what was recorded on it.
+    from flows.rerun import recorded_parameters
+
+    params = recorded_parameters("flow-digits", reg.version)
+    assert params["training"]["epochs"] == SMALL["epochs"] and params["force"] is True
+    again = train_flow(**params)
+    redo = client.get_model_version("flow-digits", again.registration.version)
+    assert redo.tags["spec_hash"] == version.tags["spec_hash"]
+    assert redo.tags["manifest_sha256"] == version.tags["manifest_sha256"]
+
 
 def test_unreachable_mlflow_fails_in_seconds(prefect_engine, monkeypatch):
     from tasks.launcher import free_port

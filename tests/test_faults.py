@@ -1,0 +1,128 @@
+"""Faults a months-long unattended retraining service must survive, with real processes."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from mlflow import MlflowClient
+from safetensors.torch import load_file
+
+from tasks.preflight import PreflightError, check_training
+from tasks.train import run_training
+from tests.servers import mlflow_server
+from training.config import TrainingSpec, TrainJob
+from training.progress import ProgressReader
+from training.storage import atomic_path, tracking_uri
+
+LOG = logging.getLogger("test-faults")
+
+
+@pytest.mark.slow
+def test_killed_rank_in_a_flow_is_retried_resumed_and_registered_once(
+        prefect_engine, tmp_path, monkeypatch):
+    from flows.train_flow import train_flow
+
+    monkeypatch.setenv("TRAINFLOW_FAULT", "kill:rank=1:epoch=2:step=2")
+    monkeypatch.setenv("TRAINFLOW_FAULT_ONCE", str(tmp_path / "fired"))
+    result = train_flow(dataset={"source": "builtin:digits"},
+                        training={"epochs": 3, "image_size": 12, "batch_size": 50},
+                        registry={"model_name": "fault-digits"})
+    assert (tmp_path / "fired").exists()  # the rank really was killed once
+    events = ProgressReader(result.trained.output_dir).poll()
+    assert any(e["event"] == "resumed" and e["epoch"] == 1 for e in events)
+    assert [h["epoch"] for h in result.trained.history] == [1, 2, 3]
+    client = MlflowClient(tracking_uri())
+    flow_run_id = client.get_run(result.mlflow_run_id).data.tags["prefect.flow_run_id"]
+    versions = client.search_model_versions("name='fault-digits'")
+    assert [v.tags["prefect_flow_run_id"] for v in versions] == [flow_run_id]
+    runs = client.search_runs([client.get_run(result.mlflow_run_id).info.experiment_id],
+                              filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    assert [r.info.status for r in runs] == ["FINISHED"]
+
+
+@pytest.mark.slow
+def test_mlflow_going_down_mid_training_keeps_the_weights(digits_split, tmp_path, monkeypatch):
+    _, split = digits_split
+    server = mlflow_server(tmp_path / "mlflow")
+    url = server.__enter__()
+    client = MlflowClient(url)
+    run_id = client.create_run(client.create_experiment("down")).info.run_id
+    job = TrainJob(manifest=split.manifest, output_dir=tmp_path / "train", mlflow_run_id=run_id,
+                   mlflow_tracking_uri=url,
+                   training={"epochs": 3, "image_size": 12, "batch_size": 50,
+                             "num_processes": 2, "heartbeat_steps": 1})
+    monkeypatch.setenv("TRAINFLOW_FAULT", "slow:step=0.1")
+    stopped = threading.Event()
+
+    def stop_server_after_epoch_1():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            folder = job.output_dir / "progress"
+            if folder.exists() and any(e["event"] == "epoch" for e in ProgressReader(job.output_dir).poll()):
+                server.__exit__(None, None, None)
+                stopped.set()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=stop_server_after_epoch_1)
+    watcher.start()
+    try:
+        result = run_training(job, LOG)
+    finally:
+        watcher.join(130)
+        if not stopped.is_set():
+            server.__exit__(None, None, None)
+    assert stopped.is_set()
+    assert [h["epoch"] for h in result.history] == [1, 2, 3]
+    assert result.mlflow_unsent > 0  # the task reports what could not be logged
+    assert load_file(result.weights)  # the trained weights are on disk and readable
+
+
+def test_fp16_on_a_cpu_machine_is_refused_before_work():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(PreflightError, match='"fp16" needs a CUDA GPU; .* use "bf16" or "no"'):
+        check_training(TrainingSpec(mixed_precision="fp16"))
+    with pytest.raises(PreflightError, match="CPU cores and no GPU"):
+        check_training(TrainingSpec(num_processes=64))
+
+
+def test_pretrained_weights_missing_from_cache_name_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    with pytest.raises(PreflightError, match=r"expected .*/torch/hub/checkpoints/resnet18-.*\.pth"):
+        check_training(TrainingSpec(model="resnet18", pretrained=True))
+
+
+def test_a_failed_write_leaves_the_old_file_whole(tmp_path):
+    final = tmp_path / "manifest.csv"
+    final.write_text("old complete contents\n")
+    with pytest.raises(RuntimeError), atomic_path(final) as tmp:
+        tmp.write_text("half of the new")
+        raise RuntimeError("disk full")
+    assert final.read_text() == "old complete contents\n"
+    assert list(tmp_path.iterdir()) == [final]
+
+
+def test_a_write_killed_mid_way_never_leaves_a_truncated_file(tmp_path):
+    final = tmp_path / "best.safetensors"
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from training.storage import atomic_path\n"
+        f"with atomic_path(Path({str(final)!r})) as tmp, open(tmp, 'wb') as f:\n"
+        "    f.write(b'x' * 1000); f.flush(); print('writing', flush=True); time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    proc.kill()
+    proc.wait(10)
+    assert not final.exists()
+
+
