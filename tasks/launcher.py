@@ -91,6 +91,9 @@ class LaunchWatch:
     on_line: Callable[[str], None] = lambda line: None
     on_event: Callable[[dict], None] = lambda event: None
     hang_timeout_s: float = 300.0
+    # Interpreter, torch and rendezvous start-up report nothing; a busy machine can take a
+    # while, so the hang clock is this generous until the first progress event arrives.
+    startup_timeout_s: float = 180.0
     timeout_s: float | None = None
     events: list[dict] = field(default_factory=list)
 
@@ -123,8 +126,10 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
             if watch.timeout_s and now - started > watch.timeout_s:
                 raise LaunchTimedOut(f"the launch ran past its {watch.timeout_s:g} s timeout and "
                                      f"was stopped; {_describe(last_seen)}")
-            if now - last_progress > watch.hang_timeout_s:
-                raise LaunchHung(f"no rank made progress for {watch.hang_timeout_s:g} s: the run "
+            allowed = (watch.hang_timeout_s if last_seen
+                       else max(watch.hang_timeout_s, watch.startup_timeout_s))
+            if now - last_progress > allowed:
+                raise LaunchHung(f"no rank made progress for {allowed:g} s: the run "
                                  f"is hung and was stopped; {_describe(last_seen)}")
             time.sleep(0.2)
         pump.join(timeout=5)

@@ -1,0 +1,105 @@
+"""The hand-written baseline: a single-file Accelerate script as the dogs-vs-cats tutorial does it.
+
+An ImageFolder-style dataset that opens and transforms every image with PIL on every access,
+a DataLoader with shuffle, `prepare`, `backward`, `gather` for validation accuracy. Same
+manifest, model, image size, batch size and epochs as our training; it prints one JSON line
+per epoch (and one at the first step) for bench/run.py to read.
+
+    accelerate launch -m bench.baseline --job JOB.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from torchvision import transforms
+
+from training.config import TrainJob
+from training.models import build_model, input_channels, normalization
+from training.split import read_manifest, read_summary
+
+
+class ManifestImages(Dataset):
+    def __init__(self, root: Path, rows, classes, transform):
+        self.root, self.rows, self.transform = root, rows, transform
+        self.index = {c: i for i, c in enumerate(classes)}
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        path, label, _ = self.rows[i]
+        image = Image.open(self.root / path).convert(self.mode)
+        return self.transform(image), self.index[label]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job", type=Path, required=True)
+    args = parser.parse_args()
+    job = TrainJob.model_validate_json(args.job.read_text())
+    spec = job.training
+    accelerator = Accelerator()
+    summary = read_summary(job.manifest)
+    rows = read_manifest(job.manifest)
+    channels = input_channels(spec.model, summary.channels)
+    mean, std = normalization(spec.model, spec.pretrained, channels)
+    augment = summary.channels == 3
+    size = spec.image_size
+    train_tf = transforms.Compose(
+        ([transforms.RandomResizedCrop(size, scale=(0.5, 1.0)), transforms.RandomHorizontalFlip()]
+         if augment else [transforms.Resize((size, size))])
+        + [transforms.ToTensor(), transforms.Normalize(mean, std)])
+    val_tf = transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor(),
+                                 transforms.Normalize(mean, std)])
+    train_set = ManifestImages(summary.root, [r for r in rows if r[2] == "train"],
+                               summary.class_names, train_tf)
+    val_set = ManifestImages(summary.root, [r for r in rows if r[2] == "val"],
+                             summary.class_names, val_tf)
+    train_set.mode = val_set.mode = "L" if channels == 1 else "RGB"
+    train_loader = DataLoader(train_set, batch_size=spec.batch_size, shuffle=True)
+    val_loader = DataLoader(val_set, batch_size=spec.batch_size)
+    model = build_model(spec.model, len(summary.class_names), channels, size)
+    optimizer = torch.optim.Adam(model.parameters(), lr=spec.lr)
+    model, optimizer, train_loader, val_loader = accelerator.prepare(
+        model, optimizer, train_loader, val_loader)
+    first_step = None
+    for epoch in range(1, spec.epochs + 1):
+        started = time.perf_counter()
+        model.train()
+        seen = 0
+        for images, labels in train_loader:
+            loss = torch.nn.functional.cross_entropy(model(images), labels)
+            optimizer.zero_grad()
+            accelerator.backward(loss)
+            optimizer.step()
+            seen += len(labels) * accelerator.num_processes
+            if first_step is None:
+                first_step = time.time()
+                if accelerator.is_main_process:
+                    print(json.dumps({"event": "first_step", "time": first_step}), flush=True)
+        model.eval()
+        correct = total = 0
+        with torch.no_grad():
+            for images, labels in val_loader:
+                preds, labels = accelerator.gather((model(images).argmax(1), labels))
+                correct += (preds == labels).sum().item()
+                total += len(labels)
+        seconds = time.perf_counter() - started
+        if accelerator.is_main_process:
+            print(json.dumps({"event": "epoch", "epoch": epoch, "epoch_seconds": seconds,
+                              "images_per_second": seen / seconds,
+                              "val_accuracy": correct / total}), flush=True)
+    if accelerator.is_main_process:
+        accelerator.save(accelerator.unwrap_model(model).state_dict(), job.output_dir / "model.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Benchmarks, in one invocation, as alternating A/B pairs; prints a table of medians and ratios.
+
+    .venv/bin/python -m bench.run                 # (make bench) the full table, ~10 min here
+    .venv/bin/python -m bench.run --pairs 1 --per-class 40 --epochs 2 --skip-flow   # smoke
+
+- training throughput and epoch time, epoch 1 and epochs 2+, ours vs the tutorial-style
+  baseline (bench/baseline.py), 1 and 2 processes, resnet18 on generated JPEGs at 64 px and
+  basicnet on digits at 28 px;
+- peak resident memory of the training processes (sampled);
+- `accelerate launch` start-up: launch to the first training step;
+- the whole flow (prepare -> register, data present) against the bare launch of the same job.
+Devices are chosen by Accelerate, so the same script fills the table on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from bench.make_photos import make as make_photos
+from tasks.launcher import launch_command, launch_env
+from tasks.train import write_job
+from training.config import DatasetSpec, SplitSpec, TrainJob
+from training.datasets import prepare
+from training.progress import ProgressReader
+from training.split import split_dataset
+
+MODULES = {"ours": "training.train", "baseline": "bench.baseline"}
+
+
+def sample_rss(root: psutil.Process, stop: threading.Event, peaks: dict) -> None:
+    while not stop.is_set():
+        try:
+            ranks = [p for p in root.children(recursive=True)
+                     if any(m in " ".join(p.cmdline()) for m in MODULES.values())]
+            rss = [p.memory_info().rss for p in ranks]
+        except psutil.Error:
+            rss = []
+        if rss:
+            peaks["rank"] = max(peaks.get("rank", 0), max(rss))
+            peaks["total"] = max(peaks.get("total", 0), sum(rss))
+        time.sleep(0.2)
+
+
+def launch(kind: str, job: TrainJob, processes: int, folder: Path) -> dict:
+    """One launch of ours or the baseline; wall, start-up, per-epoch figures and peak RSS."""
+    spec = job.training.model_copy(update={"num_processes": processes, "heartbeat_steps": 1})
+    job = job.model_copy(update={"training": spec, "output_dir": folder})
+    if kind == "ours":  # a cold decode cache: epoch-1 figures and wall time include decoding
+        shutil.rmtree(job.manifest.parent / "cache", ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    command = launch_command(spec, MODULES[kind], ["--job", str(write_job(job))])
+    started = time.time()
+    proc = subprocess.Popen(command, env=launch_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    peaks, stop = {}, threading.Event()
+    sampler = threading.Thread(target=sample_rss, args=(psutil.Process(proc.pid), stop, peaks))
+    sampler.start()
+    output, _ = proc.communicate()
+    wall = time.time() - started
+    stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} failed:\n{output[-3000:]}")
+    if kind == "ours":
+        events = ProgressReader(folder).poll()
+        first = min(e["time"] for e in events if e["event"] == "heartbeat" and e.get("phase") == "train")
+        epochs = [e["metrics"] for e in events if e["event"] == "epoch" and e["rank"] == 0]
+    else:
+        lines = [json.loads(x) for x in output.splitlines() if x.startswith('{"event"')]
+        first = next(x["time"] for x in lines if x["event"] == "first_step")
+        epochs = [x for x in lines if x["event"] == "epoch"]
+    return {"wall": wall, "startup": first - started, "peak_rank_mb": peaks.get("rank", 0) / 2**20,
+            "peak_total_mb": peaks.get("total", 0) / 2**20,
+            "epoch1_ips": epochs[0]["images_per_second"],
+            "later_ips": statistics.median(e["images_per_second"] for e in epochs[1:]),
+            "epoch1_s": epochs[0]["epoch_seconds"],
+            "later_s": statistics.median(e["epoch_seconds"] for e in epochs[1:])}
+
+
+def datasets(home: Path, per_class: int) -> dict[str, Path]:
+    photos = make_photos(home / "photos", per_class)
+    manifests = {}
+    for name, spec in {"digits": DatasetSpec(source="builtin:digits"),
+                       "jpeg": DatasetSpec(source=str(photos), labels="filename")}.items():
+        manifests[name] = split_dataset(prepare(spec, home), SplitSpec(), home).manifest
+    return manifests
+
+
+def throughput_table(manifests, home: Path, pairs: int, epochs: int) -> list[str]:
+    settings = {"jpeg 64px resnet18": ("jpeg", {"model": "resnet18", "image_size": 64,
+                                                "batch_size": 32}),
+                "digits 28px basicnet": ("digits", {"model": "basicnet", "image_size": 28,
+                                                    "batch_size": 64})}
+    lines = ["| setting | procs | impl | epoch 1 img/s | epochs 2+ img/s | epochs 2+ s/epoch "
+             "| start-up s | peak RSS/rank MB | peak RSS total MB |", "|---|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    for name, (data, training) in settings.items():
+        for procs in (1, 2):
+            runs = {"ours": [], "baseline": []}
+            job = TrainJob(manifest=manifests[data], output_dir=home / "x",
+                           training={**training, "epochs": epochs})
+            for pair in range(pairs):
+                for kind in ("ours", "baseline") if pair % 2 == 0 else ("baseline", "ours"):
+                    runs[kind].append(launch(kind, job, procs, home / f"{kind}-{name}-{procs}-{pair}"))
+            med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
+            for kind, m in med.items():
+                lines.append(f"| {name} | {procs} | {kind} | {m['epoch1_ips']:.0f} | "
+                             f"{m['later_ips']:.0f} | {m['later_s']:.2f} | {m['startup']:.1f} | "
+                             f"{m['peak_rank_mb']:.0f} | {m['peak_total_mb']:.0f} |")
+            ratios.append(f"- {name}, {procs} process(es): ours/baseline images/s, epoch 1 "
+                          f"{med['ours']['epoch1_ips'] / med['baseline']['epoch1_ips']:.2f}x, "
+                          f"epochs 2+ {med['ours']['later_ips'] / med['baseline']['later_ips']:.2f}x")
+    return lines + [""] + ratios
+
+
+def flow_overhead(manifests, home: Path, pairs: int) -> list[str]:
+    """Flow (prepare -> register) wall time vs the bare launch of the same training job."""
+    os.environ["TRAINFLOW_HOME"] = str(home)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.train_flow import train_flow
+
+    training = {"model": "basicnet", "image_size": 28, "batch_size": 64, "epochs": 3,
+                "num_processes": 2}
+    job = TrainJob(manifest=manifests["digits"], output_dir=home / "x", training=training)
+    flows, bare = [], []
+    with prefect_test_harness(server_startup_timeout=120):
+        train_flow(dataset={"source": "builtin:digits"}, training=training, force=True,
+                   registry={"model_name": "bench-warmup"})  # imports and server warm
+        for pair in range(pairs):
+            started = time.time()
+            train_flow(dataset={"source": "builtin:digits"}, training=training, force=True,
+                       registry={"model_name": "bench"})
+            flows.append(time.time() - started)
+            bare.append(launch("ours", job, 2, home / f"bare-{pair}")["wall"])
+    f, b = statistics.median(flows), statistics.median(bare)
+    return ["| digits 28px basicnet, 3 epochs, 2 procs | wall s |", "|---|---|",
+            f"| whole flow (preflight -> register) | {f:.1f} |", f"| bare accelerate launch | {b:.1f} |",
+            "", f"- flow / bare launch: {f / b:.2f}x (medians of {pairs})"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--per-class", type=int, default=500)
+    parser.add_argument("--skip-flow", action="store_true")
+    args = parser.parse_args()
+    logging.disable(logging.INFO)
+    home = Path(tempfile.mkdtemp(prefix="trainflow-bench-"))
+    started = time.time()
+    try:
+        manifests = datasets(home, args.per_class)
+        lines = [f"machine: {os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB; "
+                 f"{args.pairs} alternating pairs, {args.epochs} epochs, "
+                 f"{2 * args.per_class} generated JPEGs", ""]
+        lines += throughput_table(manifests, home, args.pairs, args.epochs)
+        if not args.skip_flow:
+            lines += [""] + flow_overhead(manifests, home, args.pairs)
+        lines += ["", f"bench wall time: {time.time() - started:.0f} s"]
+        print("\n".join(lines))
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
