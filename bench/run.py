@@ -158,6 +158,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--per-class", type=int, default=500)
     parser.add_argument("--skip-flow", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
     logging.disable(logging.INFO)
     home = Path(tempfile.mkdtemp(prefix="trainflow-bench-"))
@@ -167,7 +168,8 @@ def main() -> None:
         lines = [f"machine: {os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB; "
                  f"{args.pairs} alternating pairs, {args.epochs} epochs, "
                  f"{2 * args.per_class} generated JPEGs", ""]
-        lines += throughput_table(manifests, home, args.pairs, args.epochs)
+        if not args.skip_throughput:
+            lines += throughput_table(manifests, home, args.pairs, args.epochs)
         if not args.skip_flow:
             lines += [""] + flow_overhead(manifests, home, args.pairs)
         lines += ["", f"bench wall time: {time.time() - started:.0f} s"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import time
 from pathlib import Path
 
 import mlflow
@@ -148,16 +147,18 @@ def register_model(trained: TrainResult, evaluation: Evaluation, manifest: Path,
                                                 "evaluation/predictions.csv"))
         p_value = mcnemar_p_value(evaluation.predictions, theirs)
     promoted, reason = decide(registry, value, champion, p_value)
-    client.set_registered_model_alias(name, CHALLENGER, version.version)
-    if promoted:
-        client.set_registered_model_alias(name, CHAMPION, version.version)
-        keep_best_champion(client, name, metric, version.version, value)
     champion_value = float(champion.tags[f"test_{metric}"]) if champion is not None else None
+    # The decision is tagged before the alias moves, so that a concurrent promoter's
+    # reconciliation below can already see it.
     for key, tag in {"promotion": "promoted" if promoted else "not promoted",
                      "promotion_reason": reason,
                      "champion_value_at_decision": repr(champion_value),
                      "mcnemar_p_value": repr(p_value)}.items():
         client.set_model_version_tag(name, version.version, key, tag)
+    client.set_registered_model_alias(name, CHALLENGER, version.version)
+    if promoted:
+        client.set_registered_model_alias(name, CHAMPION, version.version)
+        keep_best_champion(client, name, metric)
     aliases = client.get_model_version(name, version.version).aliases
     logger.info("%s v%s: %s (%s)", name, version.version,
                 "promoted to champion" if promoted else "challenger", reason)
@@ -166,21 +167,19 @@ def register_model(trained: TrainResult, evaluation: Evaluation, manifest: Path,
                         champion_value=champion_value, p_value=p_value)
 
 
-def keep_best_champion(client: MlflowClient, name: str, metric: str, version: str,
-                       value: float, rounds: int = 3) -> None:
-    """Undo a race with a concurrent, worse promotion: the champion must be the better model.
+def keep_best_champion(client: MlflowClient, name: str, metric: str) -> None:
+    """After a promotion, hand `champion` to the best promoted version on record.
 
     Two runs can read the same old champion and both decide to promote; whichever sets the
-    alias last would win. Each promoter re-reads the alias and takes it back when the
-    holder's recorded metric is lower than its own, so the better model ends as champion.
+    alias last would win, worse or not. Each promoter tags its decision before moving the
+    alias and reconciles after it, so the last one to reconcile sees every promotion and the
+    better model ends as champion, judged by the metric recorded on each version.
     """
-    for _ in range(rounds):
-        time.sleep(0.5)
-        holder = champion_version(client, name)
-        if holder is None or holder.version == version:
-            continue
-        if float(holder.tags.get(f"test_{metric}", "-inf")) < value:
-            client.set_registered_model_alias(name, CHAMPION, version)
-
-
-
+    promoted = client.search_model_versions(f"name='{name}' and tags.promotion='promoted'")
+    if not promoted:
+        return
+    best = max(promoted, key=lambda v: (float(v.tags.get(f"test_{metric}", "-inf")),
+                                        int(v.version)))
+    holder = champion_version(client, name)
+    if holder is None or str(holder.version) != str(best.version):
+        client.set_registered_model_alias(name, CHAMPION, best.version)

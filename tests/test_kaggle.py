@@ -109,3 +109,19 @@ def test_kaggle_json_is_read(kaggle, home, monkeypatch, tmp_path):
     config.mkdir(parents=True)
     (config / "kaggle.json").write_text(f'{{"username": "{USER}", "key": "{KEY}"}}')
     assert prepare(_spec(), home).image_count == 22
+
+
+def test_credentials_from_a_prefect_secret_block(kaggle, home, monkeypatch, prefect_engine):
+    import json
+
+    from prefect.blocks.system import Secret
+
+    from tasks.data import credentials_from_secret_block
+
+    monkeypatch.delenv("KAGGLE_USERNAME")
+    monkeypatch.delenv("KAGGLE_KEY")
+    Secret(value=json.dumps({"username": USER, "key": KEY})).save("kaggle-test", overwrite=True)
+    monkeypatch.setenv("KAGGLE_SECRET_BLOCK", "kaggle-test")
+    credentials = credentials_from_secret_block()
+    assert KEY not in repr(credentials)
+    assert prepare(_spec(), home, credentials).image_count == 22
