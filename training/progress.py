@@ -8,6 +8,7 @@ instead of scraping free text.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,14 @@ class ProgressWriter:
         folder = progress_dir(output_dir)
         folder.mkdir(parents=True, exist_ok=True)
         self.rank = rank
+        self._lock = threading.Lock()  # the MLflow logger thread reports errors here too
         # Held open for the whole run; line-buffered so every event is on disk when written.
         self._file = open(folder / f"rank{rank}.jsonl", "a", encoding="utf-8", buffering=1)  # noqa: SIM115
 
     def emit(self, event: str, **fields: Any) -> None:
         record = {"event": event, "rank": self.rank, "time": time.time(), **fields}
-        self._file.write(json.dumps(record, default=str) + "\n")
+        with self._lock:
+            self._file.write(json.dumps(record, default=str) + "\n")
 
     def close(self) -> None:
         self._file.close()
