@@ -57,7 +57,7 @@ def train(job: TrainJob, resume: bool = False) -> dict:
         mixed_precision=spec.mixed_precision,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
-    # Decided once here; nothing below asks the accelerator who it is.
+    # Who this process is, decided once; the loop below reads these names.
     is_main, rank, world = (accelerator.is_main_process, accelerator.process_index,
                             accelerator.num_processes)
     progress = ProgressWriter(out, rank)
@@ -67,11 +67,11 @@ def train(job: TrainJob, resume: bool = False) -> dict:
     summary = read_summary(job.manifest)
     channels = input_channels(spec.model, summary.channels)
     augment = spec.augment == "flip_crop" or (spec.augment == "auto" and summary.channels == 3)
-    # Only the main process decodes; the others wait and then map the same cache files.
     def decoding(split):
         return lambda done, total: progress.emit("heartbeat", phase=f"decode {split}",
                                                  step=done, total=total)
 
+    # Only the main process decodes; the others wait and then map the same cache files.
     with accelerator.main_process_first():
         cache_dir = job.manifest.parent / "cache"
         train_x, train_y, _ = decode_split(summary.root, job.manifest, "train",
