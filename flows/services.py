@@ -18,8 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-import psutil
-
+from tasks.launcher import alive
 from training.storage import home
 
 BIN = Path(sys.executable).parent
@@ -28,7 +27,7 @@ POOL = "train-pool"
 
 def _start(name: str, command: list[str], folder: Path, env: dict[str, str]) -> None:
     pid_file = folder / f"{name}.pid"
-    if pid_file.exists() and _alive(int(pid_file.read_text())):
+    if pid_file.exists() and alive(int(pid_file.read_text())):
         print(f"{name} already running (pid {pid_file.read_text().strip()})")
         return
     with open(folder / f"{name}.log", "ab") as log:
@@ -36,13 +35,6 @@ def _start(name: str, command: list[str], folder: Path, env: dict[str, str]) -> 
                                 start_new_session=True)
     pid_file.write_text(str(proc.pid))
     print(f"started {name} (pid {proc.pid}), log {folder / f'{name}.log'}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def wait_http(url: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
@@ -99,12 +91,12 @@ def start(folder: Path, prefect_port: int, mlflow_port: int, pool: str = POOL,
 def stop(folder: Path) -> None:
     for pid_file in sorted(folder.glob("*.pid")):
         pid = int(pid_file.read_text())
-        if _alive(pid):
+        if alive(pid):
             os.killpg(os.getpgid(pid), signal.SIGTERM)
             deadline = time.monotonic() + 15
-            while _alive(pid) and time.monotonic() < deadline:
+            while alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            if _alive(pid):
+            if alive(pid):
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
             print(f"stopped {pid_file.stem} (pid {pid})")
         pid_file.unlink()

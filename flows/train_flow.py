@@ -45,7 +45,7 @@ def train_flow(
     registry: RegistrySpec = RegistrySpec(),  # noqa: B008
     force: bool = False,
 ) -> FlowResult:
-    check_before_start(dataset, training, registry)
+    check_before_start(dataset, training)
     ref = prepare_dataset(dataset)
     manifest = split_dataset(ref, split)
     same_spec = spec_hash(training, split.model_dump_json())

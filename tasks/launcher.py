@@ -170,6 +170,14 @@ def kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5)
 
 
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _pump(proc: subprocess.Popen, lines: Queue) -> None:
     for line in proc.stdout:
         lines.put(line.rstrip("\n"))

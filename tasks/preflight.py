@@ -9,7 +9,7 @@ import os
 from prefect import task
 
 from tasks import run_logger
-from training.config import DatasetSpec, RegistrySpec, TrainingSpec
+from training.config import DatasetSpec, TrainingSpec
 from training.datasets import check_source
 from training.kaggle_source import COMPLETE_MARKER, MISSING_CREDENTIALS, find_credentials
 from training.storage import home, tracking_uri
@@ -83,8 +83,7 @@ def spec_hash(training: TrainingSpec, split_seed: str) -> str:
 
 
 @task
-def check_before_start(dataset: DatasetSpec, training: TrainingSpec,
-                       registry: RegistrySpec) -> None:
+def check_before_start(dataset: DatasetSpec, training: TrainingSpec) -> None:
     """Fail in seconds, with one clear message, on what would otherwise fail late."""
     check_mlflow()
     check_dataset(dataset)

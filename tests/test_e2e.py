@@ -13,12 +13,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 from mlflow import MlflowClient
 
 from flows import services
-from tasks.launcher import free_port
+from tasks.launcher import alive, free_port
 from training.progress import ProgressReader
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -150,10 +149,10 @@ def test_cancelling_a_flow_run_stops_every_rank(stack):
     cancelled_at = time.monotonic()
     subprocess.run([PREFECT, "flow-run", "cancel", flow_run_id], env=stack.env, check=True,
                    capture_output=True, timeout=60)
-    while _alive(pids) and time.monotonic() - cancelled_at < 60:
+    while any(alive(p) for p in pids) and time.monotonic() - cancelled_at < 60:
         time.sleep(0.1)
     gone_after = time.monotonic() - cancelled_at
-    assert not _alive(pids)
+    assert not any(alive(p) for p in pids)
     print(f"e2e: every rank gone {gone_after:.1f} s after `prefect flow-run cancel` started")
     assert gone_after < 10
     run = wait_final(stack, flow_run_id, timeout=120)
@@ -176,13 +175,3 @@ def test_two_flow_runs_at_once_register_both_and_keep_the_better(stack):
     best = max(versions, key=lambda v: float(v.tags["test_accuracy"]))
     champion = stack.mlflow.get_model_version_by_alias("concurrent-digits", "champion")
     assert champion.version == best.version
-
-
-def _alive(pids) -> bool:
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            pass
-    return False

@@ -8,11 +8,10 @@ import signal
 import threading
 import time
 
-import psutil
 import pytest
 from safetensors.torch import load_file
 
-from tasks.launcher import LaunchFailed, LaunchHung, free_port
+from tasks.launcher import LaunchFailed, LaunchHung, alive, free_port
 from tasks.train import run_training
 from training.config import TrainJob
 from training.models import build_model
@@ -31,17 +30,6 @@ def _job(digits_split, tmp_path, name="run", **training):
 def _rank_pids(output_dir) -> list[int]:
     reader = ProgressReader(output_dir)
     return [e["pid"] for e in reader.poll() if e["event"] == "start"]
-
-
-def _alive(pids) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
@@ -97,7 +85,7 @@ def test_killed_rank_ends_the_launch_and_retry_resumes(digits_split, tmp_path):
     assert killed_at is not None, "training never finished epoch 1"
     assert not thread.is_alive() and time.monotonic() - killed_at < 30
     assert errors and isinstance(errors[0], LaunchFailed)
-    assert _alive(pids) == []
+    assert [p for p in pids if alive(p)] == []
 
     resumed = run_training(job, LOG, resume=True)
     assert [h["epoch"] for h in resumed.history] == [1, 2, 3]
@@ -117,7 +105,7 @@ def test_a_failing_rank_fails_fast_with_its_own_error(digits_split, tmp_path):
     assert message.startswith("rank 1 failed")
     assert "RuntimeError: injected fault on rank 1 at epoch 1 step 2" in message
     assert "Traceback" in message
-    assert _alive(_rank_pids(job.output_dir)) == []
+    assert [p for p in _rank_pids(job.output_dir) if alive(p)] == []
 
 
 def test_a_hung_rank_is_detected_by_the_watchdog(digits_split, tmp_path):
@@ -128,7 +116,7 @@ def test_a_hung_rank_is_detected_by_the_watchdog(digits_split, tmp_path):
     assert time.monotonic() - started < 60
     assert "no rank made progress for 6 s" in str(error.value)
     assert "rank 1 last heartbeat" in str(error.value)
-    assert _alive(_rank_pids(job.output_dir)) == []
+    assert [p for p in _rank_pids(job.output_dir) if alive(p)] == []
 
 
 def test_two_trainings_at_once_do_not_clash(digits_split, tmp_path):
