@@ -47,7 +47,7 @@ def test_one_and_two_processes_give_identical_metrics(digits_split, tmp_path):
                                  ["--job", str(tmp_path / "train" / "job.json"),
                                   "--weights", str(trained.weights), "--out", str(tmp_path / f"e{n}")])
         done = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout[-2000:]
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         results[n] = json.loads((tmp_path / f"e{n}" / "metrics.json").read_text())
     test_size = sum(split.counts["test"].values())
     assert results[1]["images"] == results[2]["images"] == test_size

@@ -150,11 +150,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from accelerate import Accelerator
 
+    from training.faults import die_with_parent
     from training.train import load_job
 
+    die_with_parent()
     job = load_job(args.job)
+    accelerator = Accelerator()
     metrics = evaluate(job, args.weights or job.output_dir / "best.safetensors", args.out,
-                       Accelerator())
+                       accelerator)
+    # Ranks leave together and tear the process group down cleanly: a rank that exits while
+    # the main one is still writing pictures can make gloo abort the survivor (SIGABRT).
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
     if metrics is not None:
         print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict | list)}))
 
