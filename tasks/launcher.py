@@ -64,12 +64,24 @@ def launch_command(spec: TrainingSpec, module: str, args: list[str], port: int |
         if total > 1:
             command += ["--multi_gpu"]
         command += ["--num_processes", str(total), "--num_machines", str(spec.num_machines),
-                    "--mixed_precision", spec.mixed_precision, "--dynamo_backend", "no"]
+                    "--mixed_precision", spec.mixed_precision, "--dynamo_backend", "no",
+                    "--num_cpu_threads_per_process", str(threads_per_process(per_machine))]
         if spec.num_machines > 1:
             command += ["--machine_rank", str(spec.machine_rank),
                         "--main_process_ip", spec.main_process_ip]
         command += ["--main_process_port", str(spec.main_process_port or port or free_port())]
     return command + ["-m", module, *args]
+
+
+def threads_per_process(processes: int) -> int:
+    """This machine's cores shared out among its ranks, unless OMP_NUM_THREADS says otherwise.
+
+    Left to itself, `accelerate launch` sets OMP_NUM_THREADS=1, so a single process on a CPU
+    machine trains on one core and leaves the others idle.
+    """
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, len(os.sched_getaffinity(0)) // processes)
 
 
 def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -131,7 +143,8 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
             if now - last_progress > allowed:
                 raise LaunchHung(f"no rank made progress for {allowed:g} s: the run "
                                  f"is hung and was stopped; {_describe(last_seen)}")
-            time.sleep(0.2)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.2)  # wakes at once when the launch exits
         pump.join(timeout=5)
         _drain(lines, watch.on_line)
         for event in reader.poll():

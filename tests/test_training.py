@@ -27,6 +27,10 @@ def _job(digits_split, tmp_path, name="run", **training):
     return TrainJob(manifest=split.manifest, output_dir=tmp_path / name, training=spec)
 
 
+def _cores() -> int:
+    return int(os.environ.get("OMP_NUM_THREADS", 0)) or len(os.sched_getaffinity(0))
+
+
 def _rank_pids(output_dir) -> list[int]:
     reader = ProgressReader(output_dir)
     return [e["pid"] for e in reader.poll() if e["event"] == "start"]
@@ -41,6 +45,7 @@ def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
     starts = [e for e in ProgressReader(job.output_dir).poll() if e["event"] == "start"]
     assert sorted(e["rank"] for e in starts) == [0, 1]
     assert {e["world_size"] for e in starts} == {2}  # what ran, not what was asked
+    assert {e["threads"] for e in starts} == {_cores() // 2}  # the cores shared out, not 1 each
     assert result.world_size == 2
     assert all(h["val_images"] == val_size for h in result.history)
     assert len(result.history) == 2
@@ -54,6 +59,9 @@ def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
 
     single = run_training(_job(digits_split, tmp_path, "single", num_processes=1), LOG)
     assert single.world_size == 1
+    # accelerate launch alone would give a single CPU process one thread and idle the rest.
+    assert [e["threads"] for e in ProgressReader(tmp_path / "single").poll()
+            if e["event"] == "start"] == [_cores()]
     assert [h["val_images"] for h in single.history] == [val_size, val_size]
 
 
@@ -147,7 +155,7 @@ def test_two_machines_on_loopback_train_one_job(digits_split, tmp_path):
                    num_machines=2, machine_rank=rank, main_process_ip="127.0.0.1",
                    main_process_port=port)
         try:
-            results[rank] = run_training(job, LOG) if rank == 0 else _run_worker(job)
+            results[rank] = run_training(job, LOG) if rank == 0 else _bare_launch(job)
         except BaseException as e:
             errors.append(e)
 
@@ -163,10 +171,26 @@ def test_two_machines_on_loopback_train_one_job(digits_split, tmp_path):
     assert [(e["rank"], e["world_size"]) for e in worker_starts] == [(1, 2)]
 
 
-def _run_worker(job):
-    """Machine rank 1 hosts no rank 0, so it reports success through its exit code alone."""
+def _bare_launch(job):
+    """A launch with no task around it (machine rank 1 alone, or training without Prefect)."""
     from tasks.launcher import LaunchWatch, launch_command, launch_env, run_launch
     from tasks.train import write_job
 
     command = launch_command(job.training, "training.train", ["--job", str(write_job(job))])
     return run_launch(command, launch_env(), job.output_dir, LaunchWatch(hang_timeout_s=120))
+
+
+def test_training_alone_logs_to_the_run_its_job_names(digits_split, tmp_path):
+    """Without Prefect: `accelerate launch -m training.train` logs from the main process."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("alone", artifact_location=(tmp_path / "art").as_uri())
+    run_id = client.create_run(experiment).info.run_id
+    job = _job(digits_split, tmp_path, epochs=2).model_copy(
+        update={"mlflow_run_id": run_id, "mlflow_tracking_uri": uri})
+    _bare_launch(job)  # the bare launch, no task watching it
+    run = client.get_run(run_id)
+    assert run.data.params["world_size"] == "2"
+    assert [m.step for m in client.get_metric_history(run_id, "val_accuracy")] == [1, 2]

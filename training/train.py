@@ -61,7 +61,8 @@ def train(job: TrainJob, resume: bool = False) -> dict:
     is_main, rank, world = (accelerator.is_main_process, accelerator.process_index,
                             accelerator.num_processes)
     progress = ProgressWriter(out, rank)
-    progress.emit("start", world_size=world, device=str(accelerator.device), pid=os.getpid())
+    progress.emit("start", world_size=world, device=str(accelerator.device), pid=os.getpid(),
+                  threads=torch.get_num_threads())
     set_seed(spec.seed)
 
     summary = read_summary(job.manifest)
@@ -100,9 +101,12 @@ def train(job: TrainJob, resume: bool = False) -> dict:
         accelerator.load_state(checkpoint)
         state = json.loads((checkpoint / "trainer_state.json").read_text())
         progress.emit("resumed", checkpoint=str(checkpoint), epoch=state["epoch"])
-    tracker.log_params({**spec.model_dump(exclude={"main_process_ip"}), "world_size": world,
-                        "train_images": len(train_y), "val_images": len(val_y),
-                        "classes": len(summary.class_names)})
+    params = {**spec.model_dump(exclude={"main_process_ip"}), "world_size": world,
+              "train_images": len(train_y), "val_images": len(val_y),
+              "classes": len(summary.class_names)}
+    tracker.log_params(params)
+    if is_main:
+        progress.emit("params", params=params)
 
     for epoch in range(state["epoch"] + 1, spec.epochs + 1):
         train_loader.set_epoch(epoch)
