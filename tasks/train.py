@@ -13,6 +13,7 @@ from tasks import run_logger
 from tasks.launcher import LaunchWatch, launch_command, launch_env, run_launch
 from training.config import TrainingSpec, TrainJob
 from training.storage import write_text_atomic
+from training.tracking import RunLogger
 
 
 class TrainResult(BaseModel):
@@ -34,8 +35,16 @@ def write_job(job: TrainJob) -> Path:
 def run_training(job: TrainJob, logger, resume: bool = True,
                  on_epoch=lambda event: None, extra_env: dict[str, str] | None = None
                  ) -> TrainResult:
-    """Launch training for `job` and return what it produced. Usable without Prefect."""
-    job_path = write_job(job)
+    """Launch training for `job` and return what it produced. Usable without Prefect.
+
+    This process, not rank 0, logs the run's params and per-epoch metrics to MLflow, from the
+    events rank 0 reports anyway: the ranks then never import MLflow or open its store
+    (about 2.5 s of CPU on a SQLite store, taken from training on a small machine), and a
+    tracking server that stalls or dies can only delay this watcher, never a rank.
+    """
+    tracker = RunLogger(job.mlflow_run_id, job.mlflow_tracking_uri, on_error=lambda message:
+                        logger.warning("MLflow logging failed (training goes on): %s", message))
+    job_path = write_job(job.model_copy(update={"mlflow_run_id": None}))
     spec = job.training
     args = ["--job", str(job_path)] + (["--resume"] if resume else [])
     command = launch_command(spec, "training.train", args)
@@ -43,7 +52,10 @@ def run_training(job: TrainJob, logger, resume: bool = True,
 
     def on_event(event: dict) -> None:
         kind = event["event"]
-        if kind == "epoch" and event["rank"] == 0:
+        if kind == "params" and event["rank"] == 0:
+            tracker.log_params(event["params"])
+        elif kind == "epoch" and event["rank"] == 0:
+            tracker.log_metrics(event["metrics"], step=event["epoch"])
             logger.info("epoch %s/%s %s", event["epoch"], event["epochs"], " ".join(
                 f"{k}={v:.4g}" for k, v in event["metrics"].items()))
             on_epoch(event)
@@ -52,12 +64,15 @@ def run_training(job: TrainJob, logger, resume: bool = True,
                         event["world_size"])
         elif kind == "resumed" and event["rank"] == 0:
             logger.info("resumed from %s (epoch %s done)", event["checkpoint"], event["epoch"])
-        elif kind == "mlflow_error":
-            logger.warning("MLflow logging failed (training goes on): %s", event["message"])
 
     watch = LaunchWatch(on_line=lambda line: logger.info("%s", line), on_event=on_event,
                         hang_timeout_s=spec.hang_timeout_s, timeout_s=spec.timeout_s)
-    events = run_launch(command, launch_env(extra_env), job.output_dir, watch)
+    try:
+        events = run_launch(command, launch_env(extra_env), job.output_dir, watch)
+    except BaseException:
+        tracker.flush(timeout=10)  # keep what the finished epochs logged; do not delay the failure
+        raise
+    unsent = tracker.flush()
     done = [e for e in events if e["event"] == "done" and e["rank"] == 0]
     if not done:
         raise RuntimeError("training exited cleanly but rank 0 reported no result")
@@ -70,7 +85,7 @@ def run_training(job: TrainJob, logger, resume: bool = True,
         history=result["history"],
         world_size=result["world_size"],
         output_dir=job.output_dir,
-        mlflow_unsent=result.get("mlflow_unsent", 0),
+        mlflow_unsent=unsent,
     )
 
 

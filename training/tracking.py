@@ -1,6 +1,8 @@
-"""MLflow logging from the main training process that never costs (or slows) a training run.
+"""MLflow logging that never costs (or slows) a training run.
 
-A background thread owns the MLflow client: creating it (a SQLite store checks its schema,
+Used by the process that watches a launch (tasks/train.py forwards rank 0's reports), or by
+the main process of `training.train` when its job names a run. A background thread owns
+the MLflow client: creating it (a SQLite store checks its schema,
 an HTTP one may time out) and every call happen off the training loop. If the tracking
 server goes away mid-training, metrics are kept and retried with the next batch and at the
 end; training carries on and the weights stay on disk either way.
