@@ -6,6 +6,11 @@ manifest, model, image size, batch size and epochs as our training; it prints on
 per epoch (and one at the first step) for bench/run.py to read.
 
     accelerate launch -m bench.baseline --job JOB.json
+    accelerate launch -m bench.baseline --job JOB.json --data memory   # the ceiling
+
+`--data memory` runs the same loop on random tensors already in memory, as many as the split
+holds: what training costs when images cost nothing to load, the most any input pipeline
+can reach on this machine.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchvision import transforms
 
 from training.config import TrainJob
@@ -40,13 +45,9 @@ class ManifestImages(Dataset):
         return self.transform(image), self.index[label]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--job", type=Path, required=True)
-    args = parser.parse_args()
-    job = TrainJob.model_validate_json(args.job.read_text())
+def make_datasets(job: TrainJob) -> tuple[Dataset, Dataset]:
+    """The tutorial's train and val datasets: PIL open + transforms on every access."""
     spec = job.training
-    accelerator = Accelerator()
     summary = read_summary(job.manifest)
     rows = read_manifest(job.manifest)
     channels = input_channels(spec.model, summary.channels)
@@ -64,6 +65,32 @@ def main() -> None:
     val_set = ManifestImages(summary.root, [r for r in rows if r[2] == "val"],
                              summary.class_names, val_tf)
     train_set.mode = val_set.mode = "L" if channels == 1 else "RGB"
+    return train_set, val_set
+
+
+def in_memory(like: Dataset, channels: int, size: int, classes: int) -> Dataset:
+    """Random images already in memory, as many as `like` holds."""
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(len(like), channels, size, size, generator=generator)
+    return TensorDataset(images, torch.randint(0, classes, (len(like),), generator=generator))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job", type=Path, required=True)
+    parser.add_argument("--data", choices=["files", "memory"], default="files")
+    args = parser.parse_args()
+    job = TrainJob.model_validate_json(args.job.read_text())
+    spec = job.training
+    accelerator = Accelerator()
+    summary = read_summary(job.manifest)
+    channels = input_channels(spec.model, summary.channels)
+    size = spec.image_size
+    train_set, val_set = make_datasets(job)
+    if args.data == "memory":
+        classes = len(summary.class_names)
+        train_set = in_memory(train_set, channels, size, classes)
+        val_set = in_memory(val_set, channels, size, classes)
     train_loader = DataLoader(train_set, batch_size=spec.batch_size, shuffle=True)
     val_loader = DataLoader(val_set, batch_size=spec.batch_size)
     model = build_model(spec.model, len(summary.class_names), channels, size)

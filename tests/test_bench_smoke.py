@@ -13,5 +13,8 @@ def test_bench_runs_on_a_tiny_setting():
          "--skip-flow"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
-    assert len(table) == 1 + 8  # header + {jpeg, digits} x {1, 2 processes} x {ours, baseline}
-    assert "ours/baseline images/s" in done.stdout
+    # input pipeline: header + ours, baseline; training: header + {jpeg, digits} x
+    # {1, 2 processes} x {ours, baseline, ceiling}
+    assert len(table) == (1 + 2) + (1 + 12)
+    assert "input pipeline alone, ours/baseline" in done.stdout
+    assert "ours/baseline images/s" in done.stdout and "of the ceiling" in done.stdout
