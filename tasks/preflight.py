@@ -13,6 +13,7 @@ from training.config import DatasetSpec, TrainingSpec
 from training.datasets import check_source
 from training.kaggle_source import COMPLETE_MARKER, MISSING_CREDENTIALS, find_credentials
 from training.storage import home, tracking_uri
+from training.tracking import fail_fast_http
 
 
 class PreflightError(RuntimeError):
@@ -20,9 +21,11 @@ class PreflightError(RuntimeError):
 
 
 def check_mlflow() -> None:
-    """The tracking store answers and accepts writes (an experiment lookup/creation)."""
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    """The tracking store answers and accepts writes (an experiment lookup/creation).
+
+    An unreachable server fails this in seconds, not after MLflow's default minutes of retries.
+    """
+    fail_fast_http()
     from mlflow import MlflowClient
 
     from tasks.tracking import experiment_id

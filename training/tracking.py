@@ -17,9 +17,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# Fail fast instead of MLflow's default minutes of HTTP retries: the next batch retries anyway.
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+def fail_fast_http() -> None:
+    """One retry and a 10 s timeout instead of MLflow's default minutes of HTTP retries.
+
+    For the whole process (MLflow reads these per request), unless set already: the next
+    metric batch retries anyway, and Prefect retries the flow's MLflow tasks.
+    """
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
+fail_fast_http()
 
 _STOP = object()
 
