@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
 from prefect import task
 from pydantic import BaseModel
 
@@ -35,10 +37,11 @@ def evaluate_model(trained: TrainResult, manifest: Path, training: TrainingSpec,
     training_curves_png(trained.history, out / "training_curves.png")
     scalars = {k: v for k, v in metrics.items() if isinstance(v, float)}
     client = MlflowClient(tracking_uri())
-    for name, value in scalars.items():
-        client.log_metric(mlflow_run_id, f"test_{name}", value)
-    client.log_metric(mlflow_run_id, "test_images", metrics["images"])
-    client.log_param(mlflow_run_id, "best_epoch", trained.best_epoch)
+    now = int(time.time() * 1000)
+    client.log_batch(mlflow_run_id,
+                     metrics=[Metric(f"test_{name}", value, now, 0)
+                              for name, value in {**scalars, "images": metrics["images"]}.items()],
+                     params=[Param("best_epoch", str(trained.best_epoch))])
     client.log_artifacts(mlflow_run_id, str(out), artifact_path="evaluation")
     logger.info("test metrics on %d images: %s", metrics["images"],
                 " ".join(f"{k}={v:.4f}" for k, v in scalars.items()))
