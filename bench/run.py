@@ -176,31 +176,58 @@ def throughput_table(manifests, home: Path, pairs: int, epochs: int) -> list[str
 
 
 def flow_overhead(manifests, home: Path, pairs: int) -> list[str]:
-    """Flow (prepare -> register) wall time vs the bare launch of the same training job."""
+    """Flow (prepare -> register) wall time vs the bare launch of the same training job.
+
+    Also the median time of each stage (from the Prefect API) and of an empty flow (Prefect's
+    own cost per flow run), so that the difference can be attributed.
+    """
     os.environ["TRAINFLOW_HOME"] = str(home)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.train_flow import train_flow
 
+    @flow
+    def empty() -> None:
+        pass
+
     training = {"model": "basicnet", "image_size": 28, "batch_size": 64, "epochs": 3,
                 "num_processes": 2, "heartbeat_steps": 1}  # the bare launch's reporting too
     job = TrainJob(manifest=manifests["digits"], output_dir=home / "x", training=training)
-    flows, bare = [], []
+    walls: dict[str, list[float]] = {"flow": [], "bare": [], "empty": []}
+    run_ids = []
     with prefect_test_harness(server_startup_timeout=120):
         train_flow(dataset={"source": "builtin:digits"}, training=training, force=True,
                    registry={"model_name": "bench-warmup"})  # imports and server warm
         for pair in range(pairs):
             started = time.time()
-            train_flow(dataset={"source": "builtin:digits"}, training=training, force=True,
-                       registry={"model_name": "bench"})
-            flows.append(time.time() - started)
+            state = train_flow(dataset={"source": "builtin:digits"}, training=training,
+                               force=True, registry={"model_name": "bench"}, return_state=True)
+            walls["flow"].append(time.time() - started)
+            run_ids.append(state.state_details.flow_run_id)
             # Warm decode cache for both, as in a scheduled retrain on unchanged data.
-            bare.append(launch("ours", job, 2, home / f"bare-{pair}", cold=False)["wall"])
-    f, b = statistics.median(flows), statistics.median(bare)
-    return ["| digits 28px basicnet, 3 epochs, 2 procs | wall s |", "|---|---|",
-            f"| whole flow (preflight -> register) | {f:.1f} |", f"| bare accelerate launch | {b:.1f} |",
-            "", f"- flow / bare launch: {f / b:.2f}x (medians of {pairs})"]
+            walls["bare"].append(launch("ours", job, 2, home / f"bare-{pair}", cold=False)["wall"])
+            started = time.time()
+            empty()
+            walls["empty"].append(time.time() - started)
+        with get_client(sync_client=True) as client:
+            task_runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=run_ids)))
+    stages: dict[str, list[float]] = {}
+    for run in task_runs:
+        name = run.name.rsplit("-", 1)[0]  # "evaluate_model-3f2" -> "evaluate_model"
+        stages.setdefault(name, []).append((run.end_time - run.start_time).total_seconds())
+    f, b, e = (statistics.median(walls[k]) for k in ("flow", "bare", "empty"))
+    lines = ["| digits 28px basicnet, 3 epochs, 2 procs | wall s |", "|---|---|",
+             f"| whole flow (preflight -> register) | {f:.2f} |",
+             f"| bare accelerate launch | {b:.2f} |",
+             f"| an empty Prefect flow (the engine's own cost) | {e:.2f} |"]
+    lines += [f"| stage {name} | {statistics.median(times):.2f} |"
+              for name, times in sorted(stages.items(), key=lambda kv: -max(kv[1]))]
+    return lines + ["", f"- flow / bare launch: {f / b:.2f}x (medians of {pairs})"]
 
 
 def main() -> None:
