@@ -27,8 +27,10 @@ def _job(digits_split, tmp_path, name="run", **training):
     return TrainJob(manifest=split.manifest, output_dir=tmp_path / name, training=spec)
 
 
-def _cores() -> int:
-    return int(os.environ.get("OMP_NUM_THREADS", 0)) or len(os.sched_getaffinity(0))
+def _threads(processes: int) -> int:
+    """Torch threads each rank should get: an explicit OMP_NUM_THREADS, else the cores shared."""
+    return int(os.environ.get("OMP_NUM_THREADS", 0)) or max(
+        1, len(os.sched_getaffinity(0)) // processes)
 
 
 def _rank_pids(output_dir) -> list[int]:
@@ -45,7 +47,7 @@ def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
     starts = [e for e in ProgressReader(job.output_dir).poll() if e["event"] == "start"]
     assert sorted(e["rank"] for e in starts) == [0, 1]
     assert {e["world_size"] for e in starts} == {2}  # what ran, not what was asked
-    assert {e["threads"] for e in starts} == {_cores() // 2}  # the cores shared out, not 1 each
+    assert {e["threads"] for e in starts} == {_threads(2)}  # the cores shared out
     assert result.world_size == 2
     assert all(h["val_images"] == val_size for h in result.history)
     assert len(result.history) == 2
@@ -61,7 +63,7 @@ def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
     assert single.world_size == 1
     # accelerate launch alone would give a single CPU process one thread and idle the rest.
     assert [e["threads"] for e in ProgressReader(tmp_path / "single").poll()
-            if e["event"] == "start"] == [_cores()]
+            if e["event"] == "start"] == [_threads(1)]
     assert [h["val_images"] for h in single.history] == [val_size, val_size]
 
 
