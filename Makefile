@@ -38,10 +38,10 @@ lint: install
 # Prefect server, MLflow server and a process worker on 127.0.0.1; pids and logs in .services/
 services: install
 	@mkdir -p $(SERVICES)
-	$(PY) -m flows.services start --folder $(SERVICES) --prefect-port $(PREFECT_PORT) --mlflow-port $(MLFLOW_PORT)
+	$(VENV)/bin/trainflow services start --folder $(SERVICES) --prefect-port $(PREFECT_PORT) --mlflow-port $(MLFLOW_PORT)
 
 stop:
-	@test -x $(PY) && $(PY) -m flows.services stop --folder $(SERVICES) || true
+	@test -x $(VENV)/bin/trainflow && $(VENV)/bin/trainflow services stop --folder $(SERVICES) || true
 
 bench: install
 	$(PY) -m bench.run

@@ -26,9 +26,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchvision import transforms
 
-from training.config import TrainJob
-from training.models import build_model, input_channels, normalization
-from training.split import read_manifest, read_summary
+from training.data.split import read_manifest
+from training.handoff import TrainJob
+from training.models.build import build_model, input_channels, normalization
 
 
 class ManifestImages(Dataset):
@@ -48,7 +48,7 @@ class ManifestImages(Dataset):
 def make_datasets(job: TrainJob) -> tuple[Dataset, Dataset]:
     """The tutorial's train and val datasets: PIL open + transforms on every access."""
     spec = job.training
-    summary = read_summary(job.manifest)
+    summary = job.split
     rows = read_manifest(job.manifest)
     channels = input_channels(spec.model, summary.channels)
     mean, std = normalization(spec.model, spec.pretrained, channels)
@@ -83,7 +83,7 @@ def main() -> None:
     job = TrainJob.model_validate_json(args.job.read_text())
     spec = job.training
     accelerator = Accelerator()
-    summary = read_summary(job.manifest)
+    summary = job.split
     channels = input_channels(spec.model, summary.channels)
     size = spec.image_size
     train_set, val_set = make_datasets(job)

@@ -33,10 +33,11 @@ import psutil
 from bench.make_photos import make as make_photos
 from tasks.launcher import launch_command, launch_env
 from tasks.train import write_job
-from training.config import DatasetSpec, SplitSpec, TrainJob
-from training.datasets import prepare
-from training.progress import ProgressReader
-from training.split import split_dataset
+from training.config import DatasetSpec, SplitSpec
+from training.data.sources import prepare
+from training.data.split import split_dataset
+from training.engine.progress import ProgressReader
+from training.handoff import TrainJob
 
 # What each implementation launches: module and extra arguments.
 IMPLS = {"ours": ("training.train", []), "baseline": ("bench.baseline", []),
@@ -97,29 +98,26 @@ def launch(kind: str, job: TrainJob, processes: int, folder: Path, cold: bool = 
 
 def datasets(home: Path, per_class: int) -> dict[str, Path]:
     photos = make_photos(home / "photos", per_class)
-    manifests = {}
+    splits = {}
     for name, spec in {"digits": DatasetSpec(source="builtin:digits"),
                        "jpeg": DatasetSpec(source=str(photos), labels="filename")}.items():
-        manifests[name] = split_dataset(prepare(spec, home), SplitSpec(), home).manifest
-    return manifests
+        splits[name] = split_dataset(prepare(spec, home), SplitSpec(), home)
+    return splits
 
 
-def loader_table(manifests, home: Path, epochs: int) -> list[str]:
+def loader_table(splits, home: Path, epochs: int) -> list[str]:
     """The input pipeline alone (no model): images/s our loader and the tutorial's deliver."""
     from torch.utils.data import DataLoader
 
     from bench.baseline import make_datasets
-    from training.data import CachedImages, cache_side, decode_split
-    from training.split import read_summary
+    from training.data.cache import CachedImages, cache_side, decode_split
 
-    job = TrainJob(manifest=manifests["jpeg"], output_dir=home / "loader",
+    job = TrainJob(split=splits["jpeg"], output_dir=home / "loader",
                    training={"model": "resnet18", "image_size": 64, "batch_size": 32})
-    summary = read_summary(job.manifest)
     shutil.rmtree(job.manifest.parent / "cache", ignore_errors=True)
 
     def ours():
-        images, labels, _ = decode_split(summary.root, job.manifest, "train", cache_side(64, True),
-                                         3, job.manifest.parent / "cache")
+        images, labels, _ = decode_split(job.split, "train", cache_side(64, True), 3)
         return CachedImages(images, labels, 64, augment=True)
 
     lines = ["| input pipeline, jpeg 64px, batch 32, 1 process | epoch 1 img/s | epochs 2+ img/s |",
@@ -143,7 +141,7 @@ def loader_table(manifests, home: Path, epochs: int) -> list[str]:
                         f"epochs 2+ {o2 / b2:.1f}x"]
 
 
-def throughput_table(manifests, home: Path, pairs: int, epochs: int) -> list[str]:
+def throughput_table(splits, home: Path, pairs: int, epochs: int) -> list[str]:
     settings = {"jpeg 64px resnet18": ("jpeg", {"model": "resnet18", "image_size": 64,
                                                 "batch_size": 32}),
                 "digits 28px basicnet": ("digits", {"model": "basicnet", "image_size": 28,
@@ -154,7 +152,7 @@ def throughput_table(manifests, home: Path, pairs: int, epochs: int) -> list[str
     for name, (data, training) in settings.items():
         for procs in (1, 2):
             runs = {kind: [] for kind in IMPLS}
-            job = TrainJob(manifest=manifests[data], output_dir=home / "x",
+            job = TrainJob(split=splits[data], output_dir=home / "x",
                            training={**training, "epochs": epochs})
             for pair in range(pairs):
                 order = list(IMPLS)[pair % 3:] + list(IMPLS)[:pair % 3]  # each goes first once
@@ -175,7 +173,7 @@ def throughput_table(manifests, home: Path, pairs: int, epochs: int) -> list[str
     return lines + [""] + ratios
 
 
-def flow_overhead(manifests, home: Path, pairs: int) -> list[str]:
+def flow_overhead(splits, home: Path, pairs: int) -> list[str]:
     """Flow (prepare -> register) wall time vs the bare launch of the same training job.
 
     Also the median time of each stage (from the Prefect API) and of an empty flow (Prefect's
@@ -196,7 +194,7 @@ def flow_overhead(manifests, home: Path, pairs: int) -> list[str]:
 
     training = {"model": "basicnet", "image_size": 28, "batch_size": 64, "epochs": 3,
                 "num_processes": 2, "heartbeat_steps": 1}  # the bare launch's reporting too
-    job = TrainJob(manifest=manifests["digits"], output_dir=home / "x", training=training)
+    job = TrainJob(split=splits["digits"], output_dir=home / "x", training=training)
     walls: dict[str, list[float]] = {"flow": [], "bare": [], "empty": []}
     run_ids = []
     with prefect_test_harness(server_startup_timeout=120):
@@ -242,15 +240,15 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="trainflow-bench-"))
     started = time.time()
     try:
-        manifests = datasets(home, args.per_class)
+        splits = datasets(home, args.per_class)
         lines = [f"machine: {os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB; "
                  f"{args.pairs} alternating pairs, {args.epochs} epochs, "
                  f"{2 * args.per_class} generated JPEGs", ""]
         if not args.skip_throughput:
-            lines += loader_table(manifests, home, args.epochs) + [""]
-            lines += throughput_table(manifests, home, args.pairs, args.epochs)
+            lines += loader_table(splits, home, args.epochs) + [""]
+            lines += throughput_table(splits, home, args.pairs, args.epochs)
         if not args.skip_flow:
-            lines += [""] + flow_overhead(manifests, home, args.pairs)
+            lines += [""] + flow_overhead(splits, home, args.pairs)
         lines += ["", f"bench wall time: {time.time() - started:.0f} s"]
         print("\n".join(lines))
     finally:

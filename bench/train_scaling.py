@@ -18,15 +18,16 @@ import time
 from pathlib import Path
 
 from tasks.train import run_training
-from training.config import DatasetSpec, SplitSpec, TrainJob
-from training.datasets import prepare
-from training.split import split_dataset
+from training.config import DatasetSpec, SplitSpec
+from training.data.sources import prepare
+from training.data.split import split_dataset
+from training.handoff import SplitResult, TrainJob
 
 
-def one_run(manifest: Path, folder: Path, processes: int, epochs: int, cold: bool) -> dict:
+def one_run(split: SplitResult, folder: Path, processes: int, epochs: int, cold: bool) -> dict:
     if cold:
-        shutil.rmtree(manifest.parent / "cache", ignore_errors=True)
-    job = TrainJob(manifest=manifest, output_dir=folder,
+        shutil.rmtree(split.manifest.parent / "cache", ignore_errors=True)
+    job = TrainJob(split=split, output_dir=folder,
                    training={"epochs": epochs, "num_processes": processes, "batch_size": 64,
                              "image_size": 28})
     started = time.perf_counter()
@@ -47,13 +48,13 @@ def main() -> None:
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="bench-"))
     ref = prepare(DatasetSpec(source="builtin:digits"), home)
-    manifest = split_dataset(ref, SplitSpec(), home).manifest
+    split = split_dataset(ref, SplitSpec(), home)
     rows: dict[str, list[dict]] = {"1 process": [], "2 processes": [], "2 processes, cold cache": []}
     for pair in range(args.pairs):
-        rows["1 process"].append(one_run(manifest, home / f"p1-{pair}", 1, args.epochs, False))
-        rows["2 processes"].append(one_run(manifest, home / f"p2-{pair}", 2, args.epochs, False))
+        rows["1 process"].append(one_run(split, home / f"p1-{pair}", 1, args.epochs, False))
+        rows["2 processes"].append(one_run(split, home / f"p2-{pair}", 2, args.epochs, False))
         rows["2 processes, cold cache"].append(
-            one_run(manifest, home / f"c2-{pair}", 2, args.epochs, True))
+            one_run(split, home / f"c2-{pair}", 2, args.epochs, True))
     print(f"digits, basicnet 28 px, batch 64/process, {args.epochs} epochs, "
           f"medians of {args.pairs} alternating runs")
     print("| setting | launch wall s | epoch 1 s | epochs 2+ s | epoch 1 img/s | epochs 2+ img/s |")

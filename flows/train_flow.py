@@ -20,12 +20,14 @@ from pydantic import BaseModel
 
 from tasks.data import prepare_dataset, split_dataset
 from tasks.evaluate import Evaluation, evaluate_model
-from tasks.preflight import check_before_start, spec_hash
+from tasks.lineage import find_unchanged_champion, lineage_tags
+from tasks.preflight import check_before_start
 from tasks.register import Registration, register_model
-from tasks.report import find_unchanged_champion, publish_report
-from tasks.tracking import close_mlflow_run, git_commit, open_mlflow_run
-from tasks.train import TrainResult, train_model
+from tasks.report import publish_report
+from tasks.tracking import close_mlflow_run, open_mlflow_run
+from tasks.train import train_model
 from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
+from training.handoff import TrainResult
 from training.storage import home, tracking_uri
 
 
@@ -46,27 +48,18 @@ def train_flow(
     force: bool = False,
 ) -> FlowResult:
     check_before_start(dataset, training)
-    ref = prepare_dataset(dataset)
-    manifest = split_dataset(ref, split)
-    same_spec = spec_hash(training, split.model_dump_json())
-    if not force and (version := find_unchanged_champion(registry.model_name, ref.fingerprint,
-                                                         same_spec)):
+    source = prepare_dataset(dataset)
+    data = split_dataset(source, split)
+    lineage = lineage_tags(dataset, split, training, registry, source, data)
+    if not force and (version := find_unchanged_champion(registry.model_name, lineage)):
         return FlowResult(skipped=f"champion v{version} already trained on this data and spec")
-    run_id = open_mlflow_run(ref.fingerprint, dataset.source)
+    run_id = open_mlflow_run(lineage)
     try:
         run_dir = home() / "runs" / str(flow_run.get_id())
-        trained = train_model(manifest.manifest, training, run_dir / "train", run_id,
-                              tracking_uri())
-        evaluation = evaluate_model(trained, manifest.manifest, training, run_id)
-        lineage = {"prefect_flow_run_id": str(flow_run.get_id()), "git_commit": git_commit(),
-                   "dataset_fingerprint": ref.fingerprint, "dataset_source": dataset.source,
-                   "manifest_sha256": manifest.manifest_sha256, "spec_hash": same_spec,
-                   "flow_parameters": json.dumps({
-                       "dataset": dataset.model_dump(), "split": split.model_dump(),
-                       "training": training.model_dump(), "registry": registry.model_dump()})}
-        registration = register_model(trained, evaluation, manifest.manifest, training, registry,
-                                      run_id, lineage)
-        publish_report(ref, manifest, trained, evaluation, registration, run_id)
+        trained = train_model(data, training, run_dir / "train", run_id, tracking_uri())
+        evaluation = evaluate_model(trained, run_id)
+        registration = register_model(trained, evaluation, registry, run_id, lineage)
+        publish_report(source, data, trained, evaluation, registration, run_id)
     except BaseException as e:
         # Called directly, not as a task: a cancelled flow run may not start new task runs,
         # and the MLflow run must never be left RUNNING.

@@ -9,10 +9,10 @@ from prefect import task
 
 from tasks import run_logger
 from training.config import DatasetSpec, SplitSpec
-from training.datasets import DatasetRef, prepare
-from training.kaggle_source import KaggleCredentials
-from training.split import SplitResult
-from training.split import split_dataset as make_split
+from training.data.kaggle import KaggleCredentials
+from training.data.sources import DatasetRef, prepare
+from training.data.split import SplitResult
+from training.data.split import split_dataset as make_split
 from training.storage import home
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -11,10 +12,9 @@ from prefect import task
 from pydantic import BaseModel
 
 from tasks import run_logger
-from tasks.train import TrainResult
-from training.config import TrainingSpec, TrainJob
-from training.evaluate import evaluate
-from training.plots import training_curves_png
+from tasks.launcher import launch
+from training.evaluation.plots import training_curves_png
+from training.handoff import TrainResult
 from training.storage import tracking_uri
 
 
@@ -22,28 +22,41 @@ class Evaluation(BaseModel):
     metrics: dict[str, float]
     """accuracy, loss, macro_f1 (and roc_auc for two classes) on the test split"""
     per_class: dict[str, dict[str, float]]
+    images: int
     output_dir: Path
     predictions: Path
 
 
+def run_evaluation(trained: TrainResult, out: Path, logger) -> Evaluation:
+    """`accelerate launch -m training.evaluate` on the training's world: same guarantees."""
+    args = ["--job", str(trained.output_dir / "job.json"), "--weights", str(trained.weights),
+            "--out", str(out)]
+    events = launch(trained.job.training, "training.evaluate", args, out, logger,
+                    on_event=lambda event: None)
+    done = [e for e in events if e["event"] == "done" and e["rank"] == 0]
+    if not done or not done[-1]["metrics"]:
+        raise RuntimeError("evaluation exited cleanly but rank 0 reported no metrics")
+    metrics = done[-1]["metrics"]
+    return Evaluation(metrics={k: v for k, v in metrics.items() if isinstance(v, float)},
+                      per_class=metrics["per_class"], images=metrics["images"], output_dir=out,
+                      predictions=out / "predictions.csv")
+
+
 @task
-def evaluate_model(trained: TrainResult, manifest: Path, training: TrainingSpec,
-                   mlflow_run_id: str) -> Evaluation:
+def evaluate_model(trained: TrainResult, mlflow_run_id: str) -> Evaluation:
     """Evaluate the best weights on the test split, once per image, and log the results."""
     logger = run_logger()
-    job = TrainJob(manifest=manifest, training=training, output_dir=trained.output_dir)
     out = trained.output_dir.parent / "evaluation"
-    metrics = evaluate(job, trained.weights, out)
+    evaluation = run_evaluation(trained, out, logger)
     training_curves_png(trained.history, out / "training_curves.png")
-    scalars = {k: v for k, v in metrics.items() if isinstance(v, float)}
     client = MlflowClient(tracking_uri())
     now = int(time.time() * 1000)
     client.log_batch(mlflow_run_id,
-                     metrics=[Metric(f"test_{name}", value, now, 0)
-                              for name, value in {**scalars, "images": metrics["images"]}.items()],
+                     metrics=[Metric(f"test_{name}", value, now, 0) for name, value in
+                              {**evaluation.metrics, "images": evaluation.images}.items()],
                      params=[Param("best_epoch", str(trained.best_epoch))])
-    client.log_artifacts(mlflow_run_id, str(out), artifact_path="evaluation")
-    logger.info("test metrics on %d images: %s", metrics["images"],
-                " ".join(f"{k}={v:.4f}" for k, v in scalars.items()))
-    return Evaluation(metrics=scalars, per_class=metrics["per_class"], output_dir=out,
-                      predictions=out / "predictions.csv")
+    for file in sorted(out.glob("*.*")):  # the results, not the ranks' progress/ folder
+        client.log_artifact(mlflow_run_id, str(file), artifact_path="evaluation")
+    logger.info("test metrics on %d images: %s", evaluation.images,
+                json.dumps(evaluation.metrics))
+    return evaluation

@@ -7,25 +7,24 @@ to the Prefect log, artifacts and retries.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
 
-import psutil
-
 from training.config import TrainingSpec
-from training.faults import die_with_parent
-from training.progress import ProgressReader
+from training.engine.progress import ProgressReader
+from training.processes import free_port, kill_tree, tied_to_parent
 
-TERMINATE_GRACE_S = 5.0
+PORT_ATTEMPTS = 3
+PORT_TAKEN = ("EADDRINUSE", "address already in use")
 
 
 class LaunchFailed(RuntimeError):
@@ -40,10 +39,8 @@ class LaunchTimedOut(LaunchFailed):
     pass
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class PortTaken(LaunchFailed):
+    """The rendezvous port was taken between choosing it and binding it."""
 
 
 def cuda_available() -> bool:
@@ -116,17 +113,22 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
     reader = ProgressReader(output_dir)
     reader.skip_existing()
     lines: Queue[str | None] = Queue()
-    proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(tied_to_parent(command), env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace",
-                            start_new_session=True, bufsize=1,
-                            preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+                            start_new_session=True, bufsize=1)
+    tail: deque[str] = deque(maxlen=200)
+
+    def on_line(line: str) -> None:
+        tail.append(line)
+        watch.on_line(line)
+
     pump = threading.Thread(target=_pump, args=(proc, lines), daemon=True)
     pump.start()
     started = last_progress = time.monotonic()
     last_seen: dict[int, dict] = {}
     try:
         while True:
-            _drain(lines, watch.on_line)
+            _drain(lines, on_line)
             for event in reader.poll():
                 watch.events.append(event)
                 last_seen[event["rank"]] = event
@@ -146,49 +148,39 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=0.2)  # wakes at once when the launch exits
         pump.join(timeout=5)
-        _drain(lines, watch.on_line)
+        _drain(lines, on_line)
         for event in reader.poll():
             watch.events.append(event)
             watch.on_event(event)
         if proc.returncode != 0:
+            if any(mark in line.lower() for line in tail for mark in map(str.lower, PORT_TAKEN)):
+                raise PortTaken("the rendezvous port was taken by another process")
             raise LaunchFailed(_failure_message(proc.returncode, watch.events))
         return watch.events
     finally:
-        kill_group(proc)
+        kill_tree(proc)
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the launcher and every process below it, then SIGKILL what is left.
+def launch(spec: TrainingSpec, module: str, args: list[str], output_dir: Path,
+           logger: logging.Logger | logging.LoggerAdapter, on_event: Callable[[dict], None],
+           extra_env: dict[str, str] | None = None) -> list[dict]:
+    """`accelerate launch -m module args` for `spec`, watched; returns every rank's events.
 
-    The whole tree, not just the process group: torchrun starts each rank in a session of its
-    own, so a signal to the launcher's group alone would leave the ranks to torchrun's own
-    (30 s) shutdown.
+    A free port is chosen just before the launch, so another launch can take it first: then
+    (and only for a port we chose) the launch is repeated on a new port.
     """
-    try:
-        tree = [psutil.Process(proc.pid)]
-        tree += tree[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for process in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.send_signal(sig)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        wait = TERMINATE_GRACE_S if sig == signal.SIGTERM else 5
-        _, tree = psutil.wait_procs(tree, timeout=wait)
-        if not tree:
-            break
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
-
-
-def alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        command = launch_command(spec, module, args)
+        logger.info("launching: %s", " ".join(command))
+        watch = LaunchWatch(on_line=lambda line: logger.info("%s", line), on_event=on_event,
+                            hang_timeout_s=spec.hang_timeout_s, timeout_s=spec.timeout_s)
+        try:
+            return run_launch(command, launch_env(extra_env), output_dir, watch)
+        except PortTaken:
+            if spec.main_process_port or spec.num_machines > 1 or attempt == PORT_ATTEMPTS:
+                raise
+            logger.warning("rendezvous port taken by another process; launching again")
+    raise AssertionError("unreachable")
 
 
 def _pump(proc: subprocess.Popen, lines: Queue) -> None:

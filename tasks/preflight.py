@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 
 from prefect import task
 
 from tasks import run_logger
+from tasks.mlflow_logging import fail_fast_http
 from training.config import DatasetSpec, TrainingSpec
-from training.datasets import check_source
-from training.kaggle_source import COMPLETE_MARKER, MISSING_CREDENTIALS, find_credentials
+from training.data.kaggle import COMPLETE_MARKER, MISSING_CREDENTIALS, find_credentials
+from training.data.sources import check_source
 from training.storage import home, tracking_uri
-from training.tracking import fail_fast_http
 
 
 class PreflightError(RuntimeError):
@@ -44,7 +43,7 @@ def check_mlflow() -> None:
 def check_dataset(dataset: DatasetSpec) -> None:
     check_source(dataset)
     if dataset.kind == "kaggle":
-        from training.datasets import source_root
+        from training.data.sources import source_root
 
         cached = (source_root(dataset, home()) / COMPLETE_MARKER).is_file()
         if not cached and not os.environ.get("KAGGLE_SECRET_BLOCK") and find_credentials() is None:
@@ -69,20 +68,13 @@ def check_training(training: TrainingSpec) -> None:
         raise PreflightError('mixed_precision="fp16" needs a CUDA GPU; on this machine use '
                              '"bf16" or "no"')
     if training.pretrained:
-        from training.models import pretrained_weights_file
+        from training.models.build import pretrained_weights_file
 
         path = pretrained_weights_file(training.model)
         if not path.is_file():
             raise PreflightError(f"pretrained weights for {training.model} are not in the torch "
                                  f"cache: expected {path}; copy them there or set "
                                  "training.pretrained=false")
-
-
-def spec_hash(training: TrainingSpec, split_seed: str) -> str:
-    """What makes two trainings the same, for skipping a retrain on unchanged inputs."""
-    text = training.model_dump_json(exclude={"main_process_port", "timeout_s", "hang_timeout_s",
-                                             "heartbeat_steps", "num_processes"})
-    return hashlib.sha256(f"{text}|{split_seed}".encode()).hexdigest()[:16]
 
 
 @task

@@ -15,13 +15,20 @@ from pydantic import BaseModel
 
 from tasks import run_logger
 from tasks.evaluate import Evaluation
-from tasks.train import TrainResult
-from training.config import RegistrySpec, TrainingSpec, TrainJob
-from training.evaluate import load_trained_model
+from tasks.lineage import CHALLENGER, CHAMPION, FLOW_RUN_ID, champion_version, metric_tag
+from training.config import RegistrySpec
+from training.handoff import TrainResult
+from training.models.build import load_trained
+from training.models.served import Classifier
 from training.storage import tracking_uri
 
-CHAMPION, CHALLENGER = "champion", "challenger"
 TRAINING_DIR = Path(__file__).resolve().parents[1] / "training"
+METRIC = "trainflow.metric"
+PREDICTIONS_RUN_ID = "trainflow.predictions_run_id"
+PROMOTION = "trainflow.promotion"
+PROMOTION_REASON = "trainflow.promotion_reason"
+CHAMPION_VALUE = "trainflow.champion_value_at_decision"
+MCNEMAR_P_VALUE = "trainflow.mcnemar_p_value"
 
 
 class Registration(BaseModel):
@@ -36,32 +43,21 @@ class Registration(BaseModel):
     p_value: float | None = None
 
 
-class Classifier(torch.nn.Module):
-    """The served model: a preprocessed batch in, class probabilities out."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(self.model(x), dim=1)
-
-
-def log_model(job: TrainJob, weights: Path, run_id: str) -> str:
+def log_model(trained: TrainResult, run_id: str) -> str:
     """Log the unwrapped model (pytorch flavour) with signature, example and preprocessing."""
     from mlflow.models import infer_signature
 
-    model, info = load_trained_model(job, weights)
-    served = Classifier(model).eval()
-    pre = info["preprocessing"]
-    example = torch.zeros(1, pre["channels"], pre["image_size"], pre["image_size"])
+    served = Classifier(load_trained(trained.job, trained.weights)).eval()
+    pre = trained.preprocessing
+    info = {"class_names": trained.class_names, "preprocessing": pre.model_dump()}
+    example = torch.zeros(1, pre.channels, pre.image_size, pre.image_size)
     with torch.no_grad():
         signature = infer_signature(example.numpy(), served(example).numpy())
     import torchvision
 
     with mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None):
         mlflow.log_dict(info, "model_info/preprocessing.json")
-        mlflow.log_artifact(str(weights), artifact_path="weights")
+        mlflow.log_artifact(str(trained.weights), artifact_path="weights")
         model_info = mlflow.pytorch.log_model(
             served, name="model", signature=signature, input_example=example.numpy(),
             code_paths=[str(TRAINING_DIR)], metadata=info, serialization_format="pickle",
@@ -90,19 +86,12 @@ def mcnemar_p_value(ours: Path, theirs: Path) -> float:
     return float(binomtest(only_ours, only_ours + only_theirs, 0.5).pvalue)
 
 
-def champion_version(client: MlflowClient, name: str):
-    try:
-        return client.get_model_version_by_alias(name, CHAMPION)
-    except MlflowException:
-        return None
-
-
 def decide(spec: RegistrySpec, value: float, champion, p_value: float | None) -> tuple[bool, str]:
     if not spec.promote:
         return False, "promotion disabled (registry.promote=false)"
     if champion is None:
         return True, "no champion yet"
-    best = float(champion.tags[f"test_{spec.metric}"])
+    best = float(champion.tags[metric_tag(spec.metric)])
     gain = value - best
     if gain <= 0 or gain < spec.min_improvement:
         return False, (f"test_{spec.metric} {value:.4f} does not beat champion v{champion.version} "
@@ -114,46 +103,40 @@ def decide(spec: RegistrySpec, value: float, champion, p_value: float | None) ->
 
 
 @task(retries=2, retry_delay_seconds=3)
-def register_model(trained: TrainResult, evaluation: Evaluation, manifest: Path,
-                   training: TrainingSpec, registry: RegistrySpec, mlflow_run_id: str,
-                   lineage: dict[str, str]) -> Registration:
+def register_model(trained: TrainResult, evaluation: Evaluation, registry: RegistrySpec,
+                   mlflow_run_id: str, lineage: dict[str, str]) -> Registration:
     """Register a version (once per flow run) and move `champion` only for a better model."""
     logger = run_logger()
     mlflow.set_tracking_uri(tracking_uri())  # the fluent API below reads the global URI
     client = MlflowClient(tracking_uri())
     name, metric = registry.model_name, registry.metric
     value = evaluation.metrics[metric]
-    flow_run_id = lineage["prefect_flow_run_id"]
     with contextlib.suppress(MlflowException):  # it exists already
         client.create_registered_model(name)
     found = client.search_model_versions(
-        f"name='{name}' and tags.prefect_flow_run_id='{flow_run_id}'")
+        f"name='{name}' and tags.`{FLOW_RUN_ID}`='{lineage[FLOW_RUN_ID]}'")
     if found:  # a retried task: the version exists, only the gate may be missing
         version = found[0]
         logger.info("version %s already registered for this flow run", version.version)
     else:
-        job = TrainJob(manifest=manifest, training=training, output_dir=trained.output_dir)
-        model_uri = log_model(job, trained.weights, mlflow_run_id)
-        tags = {**lineage, f"test_{metric}": repr(value), "metric": metric,
-                "training_spec": training.model_dump_json(),
-                **{f"test_{k}": repr(v) for k, v in evaluation.metrics.items()}}
+        model_uri = log_model(trained, mlflow_run_id)
+        tags = {**lineage, METRIC: metric, PREDICTIONS_RUN_ID: mlflow_run_id,
+                **{metric_tag(k): repr(v) for k, v in evaluation.metrics.items()}}
         version = mlflow.register_model(model_uri, name, tags=tags)
-        client.set_model_version_tag(name, version.version, "predictions_run_id", mlflow_run_id)
 
     champion = champion_version(client, name)
     p_value = None
     if registry.significance is not None and champion is not None:
-        theirs = Path(client.download_artifacts(champion.tags["predictions_run_id"],
+        theirs = Path(client.download_artifacts(champion.tags[PREDICTIONS_RUN_ID],
                                                 "evaluation/predictions.csv"))
         p_value = mcnemar_p_value(evaluation.predictions, theirs)
     promoted, reason = decide(registry, value, champion, p_value)
-    champion_value = float(champion.tags[f"test_{metric}"]) if champion is not None else None
+    champion_value = float(champion.tags[metric_tag(metric)]) if champion is not None else None
     # The decision is tagged before the alias moves, so that a concurrent promoter's
     # reconciliation below can already see it.
-    for key, tag in {"promotion": "promoted" if promoted else "not promoted",
-                     "promotion_reason": reason,
-                     "champion_value_at_decision": repr(champion_value),
-                     "mcnemar_p_value": repr(p_value)}.items():
+    for key, tag in {PROMOTION: "promoted" if promoted else "not promoted",
+                     PROMOTION_REASON: reason, CHAMPION_VALUE: repr(champion_value),
+                     MCNEMAR_P_VALUE: repr(p_value)}.items():
         client.set_model_version_tag(name, version.version, key, tag)
     client.set_registered_model_alias(name, CHALLENGER, version.version)
     if promoted:
@@ -175,10 +158,10 @@ def keep_best_champion(client: MlflowClient, name: str, metric: str) -> None:
     alias and reconciles after it, so the last one to reconcile sees every promotion and the
     better model ends as champion, judged by the metric recorded on each version.
     """
-    promoted = client.search_model_versions(f"name='{name}' and tags.promotion='promoted'")
+    promoted = client.search_model_versions(f"name='{name}' and tags.`{PROMOTION}`='promoted'")
     if not promoted:
         return
-    best = max(promoted, key=lambda v: (float(v.tags.get(f"test_{metric}", "-inf")),
+    best = max(promoted, key=lambda v: (float(v.tags.get(metric_tag(metric), "-inf")),
                                         int(v.version)))
     holder = champion_version(client, name)
     if holder is None or str(holder.version) != str(best.version):

@@ -1,35 +1,15 @@
-"""The flow run's markdown summary artifact, and the retrain-skip lookup."""
+"""The flow run's markdown summary artifact."""
 
 from __future__ import annotations
 
-from mlflow import MlflowClient
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
-from tasks import run_logger
 from tasks.evaluate import Evaluation
-from tasks.register import CHAMPION, Registration, champion_version
+from tasks.register import Registration
 from tasks.tracking import run_url
-from tasks.train import TrainResult
-from training.datasets import DatasetRef
-from training.split import SplitResult
-from training.storage import tracking_uri
-
-
-@task
-def find_unchanged_champion(model_name: str, fingerprint: str, spec_hash: str) -> str | None:
-    """The champion version when it was trained on this very data and spec, else None."""
-    champion = champion_version(MlflowClient(tracking_uri()), model_name)
-    if champion is None:
-        return None
-    same = (champion.tags.get("dataset_fingerprint") == fingerprint
-            and champion.tags.get("spec_hash") == spec_hash)
-    if same:
-        run_logger().info(
-            "skipping training: %s@%s (v%s) was trained on the same dataset fingerprint %s and "
-            "training spec; pass force=true to retrain anyway", model_name, CHAMPION,
-            champion.version, fingerprint[:12])
-    return str(champion.version) if same else None
+from training.data.sources import DatasetRef
+from training.handoff import SplitResult, TrainResult
 
 
 @task

@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
 import mlflow
 from mlflow import MlflowClient
 from prefect import task
 from prefect.runtime import flow_run
 
+from tasks.lineage import GIT_COMMIT
 from training.storage import home, tracking_uri
 
 EXPERIMENT = "train-flow"
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1], timeout=5,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def experiment_id(client: MlflowClient) -> str:
@@ -37,24 +26,12 @@ def experiment_id(client: MlflowClient) -> str:
         return client.get_experiment_by_name(EXPERIMENT).experiment_id
 
 
-def flow_run_url() -> str | None:
-    ui = flow_run.get_flow_run_ui_url()
-    return ui or None
-
-
 @task
-def open_mlflow_run(dataset_fingerprint: str, source: str) -> str:
-    """Create the flow's MLflow run, tagged with its Prefect flow run and the data version."""
+def open_mlflow_run(lineage: dict[str, str]) -> str:
+    """Create the flow's MLflow run, tagged with its lineage (Prefect run, code, data)."""
     client = MlflowClient(tracking_uri())
-    tags = {
-        "prefect.flow_run_id": str(flow_run.get_id()),
-        "prefect.flow_run_name": str(flow_run.get_name()),
-        "mlflow.source.git.commit": git_commit(),
-        "dataset.fingerprint": dataset_fingerprint,
-        "dataset.source": source,
-    }
-    if url := flow_run_url():
-        tags["prefect.flow_run_url"] = url
+    # MLflow's own tag too, so that the UI shows the commit in its usual place.
+    tags = {**lineage, "mlflow.source.git.commit": lineage[GIT_COMMIT]}
     run = client.create_run(experiment_id(client), tags=tags,
                             run_name=f"train-flow/{flow_run.get_name()}")
     return run.info.run_id

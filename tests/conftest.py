@@ -41,8 +41,8 @@ def prefect_engine():
 def digits_split(session_home):
     """The built-in digits, prepared and split once for the whole session."""
     from training.config import DatasetSpec, SplitSpec
-    from training.datasets import prepare
-    from training.split import split_dataset
+    from training.data.sources import prepare
+    from training.data.split import split_dataset
 
     ref = prepare(DatasetSpec(source="builtin:digits"), session_home)
     return ref, split_dataset(ref, SplitSpec(), session_home)

@@ -9,8 +9,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from flows.services import wait_http
-from tasks.launcher import free_port, kill_group
+from commands.services import wait_http
+from training.processes import free_port, kill_tree
 
 BIN = Path(sys.executable).parent
 
@@ -28,7 +28,7 @@ def started(command: list[str], url: str, log: Path, env: dict | None = None,
         wait_http(url, timeout, proc)
         yield proc
     finally:
-        kill_group(proc)
+        kill_tree(proc)
 
 
 @contextlib.contextmanager

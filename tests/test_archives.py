@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from training.archives import UnsafeArchiveError, extract_zip
+from training.data.archives import UnsafeArchiveError, extract_zip
 
 
 def _zip(path, entries):

@@ -3,7 +3,8 @@
 import pytest
 from pydantic import ValidationError
 
-from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec, TrainJob
+from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
+from training.handoff import SplitResult, TrainJob
 
 
 def test_defaults_need_only_the_source():
@@ -52,13 +53,17 @@ def test_any_torchvision_classifier_is_accepted():
 
 
 def test_job_file_round_trip(tmp_path):
-    job = TrainJob(manifest=tmp_path / "m.csv", output_dir=tmp_path / "out",
+    split = SplitResult(manifest=tmp_path / "m.csv", manifest_sha256="0" * 64, quarantined=0,
+                        counts={"train": {"a": 8}, "val": {"a": 1}, "test": {"a": 1}},
+                        class_names=["a"], channels=3, root=tmp_path)
+    job = TrainJob(split=split, output_dir=tmp_path / "out",
                    training={"epochs": 3, "num_processes": 2})
     again = TrainJob.model_validate_json(job.model_dump_json())
     assert again == job and again.training.epochs == 3
 
 
 def test_auto_processes_on_a_cpu_machine(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # true on any machine
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert TrainingSpec(num_processes="auto").resolved_num_processes() == 2
     monkeypatch.setattr("os.cpu_count", lambda: 1)

@@ -7,8 +7,8 @@ from PIL import Image
 
 from tests.imagegen import write_filename_layout, write_folder_layout
 from training.config import DatasetSpec
-from training.datasets import prepare
-from training.labels import DatasetError
+from training.data.labels import DatasetError
+from training.data.sources import prepare
 
 
 def test_digits_are_written_once_as_real_pngs(home):

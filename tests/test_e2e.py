@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from flows import services
-from tasks.launcher import alive, free_port
-from training.progress import ProgressReader
+from commands import services
+from tasks.lineage import FLOW_RUN_ID, metric_tag
+from tasks.register import PROMOTION
+from training.engine.progress import ProgressReader
+from training.processes import alive, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +101,7 @@ def wait_final(stack: Stack, flow_run_id: str, timeout: float = 600):
 def mlflow_run_of(stack: Stack, flow_run_id: str):
     runs = stack.mlflow.search_runs(
         [e.experiment_id for e in stack.mlflow.search_experiments()],
-        filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+        filter_string=f"tags.`{FLOW_RUN_ID}` = '{flow_run_id}'")
     assert len(runs) == 1
     return runs[0]
 
@@ -122,15 +124,15 @@ def test_deployment_run_trains_registers_and_gates(stack):
     assert tracked.data.params["world_size"] == "2"
     assert tracked.data.metrics["test_accuracy"] > 0.5
     champion = stack.mlflow.get_model_version_by_alias("digits-classifier", "champion")
-    assert champion.tags["prefect_flow_run_id"] == first
+    assert champion.tags[FLOW_RUN_ID] == first
 
     worse = run_deployment(stack, {"training": {**SMALL, "lr": 1e-6}})
     assert wait_final(stack, worse).state.is_completed()
     assert stack.mlflow.get_model_version_by_alias("digits-classifier", "champion").version == (
         champion.version)
     challenger = stack.mlflow.get_model_version_by_alias("digits-classifier", "challenger")
-    assert challenger.tags["prefect_flow_run_id"] == worse
-    assert challenger.tags["promotion"] == "not promoted"
+    assert challenger.tags[FLOW_RUN_ID] == worse
+    assert challenger.tags[PROMOTION] == "not promoted"
     print(f"e2e: two deployment runs in {time.monotonic() - started:.0f} s")
 
 
@@ -171,7 +173,7 @@ def test_two_flow_runs_at_once_register_both_and_keep_the_better(stack):
     assert wait_final(stack, good).state.is_completed()
     assert wait_final(stack, better).state.is_completed()
     versions = stack.mlflow.search_model_versions("name='concurrent-digits'")
-    assert sorted(v.tags["prefect_flow_run_id"] for v in versions) == sorted([good, better])
-    best = max(versions, key=lambda v: float(v.tags["test_accuracy"]))
+    assert sorted(v.tags[FLOW_RUN_ID] for v in versions) == sorted([good, better])
+    best = max(versions, key=lambda v: float(v.tags[metric_tag("accuracy")]))
     champion = stack.mlflow.get_model_version_by_alias("concurrent-digits", "champion")
     assert champion.version == best.version

@@ -12,11 +12,13 @@ import pytest
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
+from tasks.lineage import FLOW_RUN_ID
 from tasks.preflight import PreflightError, check_training
 from tasks.train import run_training
 from tests.servers import mlflow_server
-from training.config import TrainingSpec, TrainJob
-from training.progress import ProgressReader
+from training.config import TrainingSpec
+from training.engine.progress import ProgressReader
+from training.handoff import TrainJob
 from training.storage import atomic_path, tracking_uri
 
 LOG = logging.getLogger("test-faults")
@@ -37,11 +39,11 @@ def test_killed_rank_in_a_flow_is_retried_resumed_and_registered_once(
     assert any(e["event"] == "resumed" and e["epoch"] == 1 for e in events)
     assert [h["epoch"] for h in result.trained.history] == [1, 2, 3]
     client = MlflowClient(tracking_uri())
-    flow_run_id = client.get_run(result.mlflow_run_id).data.tags["prefect.flow_run_id"]
+    flow_run_id = client.get_run(result.mlflow_run_id).data.tags[FLOW_RUN_ID]
     versions = client.search_model_versions("name='fault-digits'")
-    assert [v.tags["prefect_flow_run_id"] for v in versions] == [flow_run_id]
+    assert [v.tags[FLOW_RUN_ID] for v in versions] == [flow_run_id]
     runs = client.search_runs([client.get_run(result.mlflow_run_id).info.experiment_id],
-                              filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+                              filter_string=f"tags.`{FLOW_RUN_ID}` = '{flow_run_id}'")
     assert [r.info.status for r in runs] == ["FINISHED"]
 
 
@@ -52,8 +54,7 @@ def test_mlflow_going_down_mid_training_keeps_the_weights(digits_split, tmp_path
     url = server.__enter__()
     client = MlflowClient(url)
     run_id = client.create_run(client.create_experiment("down")).info.run_id
-    job = TrainJob(manifest=split.manifest, output_dir=tmp_path / "train", mlflow_run_id=run_id,
-                   mlflow_tracking_uri=url,
+    job = TrainJob(split=split, output_dir=tmp_path / "train",
                    training={"epochs": 3, "image_size": 12, "batch_size": 50,
                              "num_processes": 2, "heartbeat_steps": 1})
     monkeypatch.setenv("TRAINFLOW_FAULT", "slow:step=0.1")
@@ -72,7 +73,7 @@ def test_mlflow_going_down_mid_training_keeps_the_weights(digits_split, tmp_path
     watcher = threading.Thread(target=stop_server_after_epoch_1)
     watcher.start()
     try:
-        result = run_training(job, LOG)
+        result = run_training(job, LOG, mlflow_run_id=run_id, tracking_uri=url)
     finally:
         watcher.join(130)
         if not stopped.is_set():

@@ -8,6 +8,7 @@ import pytest
 from mlflow import MlflowClient
 
 from flows.train_flow import train_flow
+from tasks.lineage import DATASET_FINGERPRINT, FLOW_RUN_ID, MANIFEST_SHA256, SPEC_HASH
 from training.storage import tracking_uri
 
 pytestmark = pytest.mark.slow
@@ -35,8 +36,8 @@ def test_full_flow_on_digits(prefect_engine, session_home):
     reg = result.registration
     version = client.get_model_version("flow-digits", reg.version)
     assert "champion" in version.aliases and reg.promoted
-    assert version.tags["prefect_flow_run_id"] == run.data.tags["prefect.flow_run_id"]
-    assert version.tags["dataset_fingerprint"] == run.data.tags["dataset.fingerprint"]
+    for tag in (FLOW_RUN_ID, DATASET_FINGERPRINT):
+        assert version.tags[tag] == run.data.tags[tag]
 
     from prefect.client.orchestration import get_client
 
@@ -56,18 +57,18 @@ def test_full_flow_on_digits(prefect_engine, session_home):
     assert "challenger" in forced.registration.aliases
 
     # Reproduce version 1 from what was recorded on it.
-    from flows.rerun import recorded_parameters
+    from commands.rerun import recorded_parameters
 
     params = recorded_parameters("flow-digits", reg.version)
     assert params["training"]["epochs"] == SMALL["epochs"] and params["force"] is True
     again = train_flow(**params)
     redo = client.get_model_version("flow-digits", again.registration.version)
-    assert redo.tags["spec_hash"] == version.tags["spec_hash"]
-    assert redo.tags["manifest_sha256"] == version.tags["manifest_sha256"]
+    assert redo.tags[SPEC_HASH] == version.tags[SPEC_HASH]
+    assert redo.tags[MANIFEST_SHA256] == version.tags[MANIFEST_SHA256]
 
 
 def test_unreachable_mlflow_fails_in_seconds(prefect_engine, monkeypatch):
-    from tasks.launcher import free_port
+    from training.processes import free_port
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
     started = time.monotonic()

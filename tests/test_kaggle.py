@@ -9,8 +9,8 @@ import pytest
 from tests.imagegen import dogs_vs_cats_zip
 from tests.kaggle_standin import KaggleStandIn
 from training.config import DatasetSpec
-from training.datasets import prepare
-from training.labels import DatasetError
+from training.data.labels import DatasetError
+from training.data.sources import prepare
 
 USER, KEY = "tester", "KGL-SECRET-4c1d2e9f"
 SLUG = "dogs-vs-cats-redux-kernels-edition"

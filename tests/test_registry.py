@@ -14,14 +14,16 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from flows.predict import preprocess
+from commands.predict import preprocess
 from tasks.evaluate import evaluate_model
-from tasks.launcher import free_port
-from tasks.register import register_model
+from tasks.lineage import DATASET_FINGERPRINT, FLOW_RUN_ID, MANIFEST_SHA256, metric_tag
+from tasks.register import CHAMPION_VALUE, PROMOTION, register_model
 from tasks.train import run_training
 from tests.servers import mlflow_server, started
-from training.config import RegistrySpec, TrainJob
-from training.split import read_manifest
+from training.config import RegistrySpec
+from training.data.split import read_manifest
+from training.handoff import TrainJob
+from training.processes import free_port
 
 pytestmark = pytest.mark.slow
 NAME = "digits-test"
@@ -36,22 +38,22 @@ def models(digits_split, tmp_path_factory):
                 "better": {"epochs": 6, "lr": 2e-3}}
     trained = {}
     for name, extra in settings.items():
-        job = TrainJob(manifest=split.manifest, output_dir=folder / name / "train",
+        job = TrainJob(split=split, output_dir=folder / name / "train",
                        training={"image_size": 12, "num_processes": 1, "batch_size": 32, **extra})
-        trained[name] = (job.training, run_training(job, logging.getLogger("t")))
+        trained[name] = run_training(job, logging.getLogger("t"))
     return split, trained
 
 
 def _register(models, which, client, registry=None, flow_run_id=None):
     split, trained = models
-    training, result = trained[which]
+    result = trained[which]
     run_id = client.create_run(client.create_experiment(f"e-{which}-{flow_run_id}")
                                ).info.run_id
-    evaluation = evaluate_model.fn(result, split.manifest, training, run_id)
-    lineage = {"prefect_flow_run_id": flow_run_id or f"flow-{which}", "git_commit": "test",
-               "dataset_fingerprint": "fp", "manifest_sha256": split.manifest_sha256}
-    reg = register_model.fn(result, evaluation, split.manifest, training,
-                            registry or RegistrySpec(model_name=NAME), run_id, lineage)
+    evaluation = evaluate_model.fn(result, run_id)
+    lineage = {FLOW_RUN_ID: flow_run_id or f"flow-{which}", DATASET_FINGERPRINT: "fp",
+               MANIFEST_SHA256: split.manifest_sha256}
+    reg = register_model.fn(result, evaluation, registry or RegistrySpec(model_name=NAME), run_id,
+                            lineage)
     return evaluation, reg
 
 
@@ -71,11 +73,11 @@ def _gate_story(models, client):
     assert third.promoted is True and third.champion_value == good_eval.metrics["accuracy"]
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == "3"
     tags = client.get_model_version(NAME, "3").tags
-    assert tags["promotion"] == "promoted"
-    assert float(tags["test_accuracy"]) == better_eval.metrics["accuracy"]
-    assert float(tags["champion_value_at_decision"]) == good_eval.metrics["accuracy"]
-    assert tags["prefect_flow_run_id"] == "flow-better" and tags["dataset_fingerprint"] == "fp"
-    assert client.get_model_version(NAME, "2").tags["promotion"] == "not promoted"
+    assert tags[PROMOTION] == "promoted"
+    assert float(tags[metric_tag("accuracy")]) == better_eval.metrics["accuracy"]
+    assert float(tags[CHAMPION_VALUE]) == good_eval.metrics["accuracy"]
+    assert tags[FLOW_RUN_ID] == "flow-better" and tags[DATASET_FINGERPRINT] == "fp"
+    assert client.get_model_version(NAME, "2").tags[PROMOTION] == "not promoted"
 
     # A retried task finds its version instead of registering another.
     again = _register(models, "better", client, flow_run_id="flow-better")[1]
@@ -106,7 +108,7 @@ def test_gate_on_a_sqlite_store(models, tmp_path, monkeypatch):
 
     # The predict command on PNG files.
     files = [str(split.root / p) for p, _, _ in rows[:3]]
-    out = subprocess.run([sys.executable, "-m", "flows.predict", "--model", NAME, *files],
+    out = subprocess.run([sys.executable, "-m", "commands.predict", "--model", NAME, *files],
                          capture_output=True, text=True, timeout=120,
                          env={**_env(), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})
     assert out.returncode == 0, out.stderr[-2000:]

@@ -8,9 +8,9 @@ from PIL import Image
 
 from tests.imagegen import write_filename_layout
 from training.config import DatasetSpec, SplitSpec
-from training.datasets import prepare
-from training.labels import DatasetError
-from training.split import read_manifest, split_dataset
+from training.data.labels import DatasetError
+from training.data.sources import prepare
+from training.data.split import read_manifest, split_dataset
 
 
 def _split(folder, home, **split):

@@ -11,11 +11,13 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from tasks.launcher import LaunchFailed, LaunchHung, alive, free_port
+from tasks.launcher import LaunchFailed, LaunchHung
 from tasks.train import run_training
-from training.config import TrainJob
-from training.models import build_model
-from training.progress import ProgressReader
+from training.engine.checkpoint import STATE_FILE
+from training.engine.progress import ProgressReader
+from training.handoff import TrainJob
+from training.models.build import build_model
+from training.processes import alive, free_port
 
 pytestmark = pytest.mark.slow
 LOG = logging.getLogger("test-training")
@@ -24,7 +26,7 @@ LOG = logging.getLogger("test-training")
 def _job(digits_split, tmp_path, name="run", **training):
     _, split = digits_split
     spec = {"epochs": 2, "batch_size": 50, "image_size": 12, "num_processes": 2, **training}
-    return TrainJob(manifest=split.manifest, output_dir=tmp_path / name, training=spec)
+    return TrainJob(split=split, output_dir=tmp_path / name, training=spec)
 
 
 def _threads(processes: int) -> int:
@@ -57,7 +59,7 @@ def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
     assert set(weights) == set(fresh.state_dict())
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in weights)
     fresh.load_state_dict(weights, strict=True)
-    assert (job.output_dir / "checkpoints" / "epoch_0002" / "trainer_state.json").is_file()
+    assert (job.output_dir / "checkpoints" / "checkpoint_2" / STATE_FILE).is_file()
 
     single = run_training(_job(digits_split, tmp_path, "single", num_processes=1), LOG)
     assert single.world_size == 1
@@ -173,26 +175,28 @@ def test_two_machines_on_loopback_train_one_job(digits_split, tmp_path):
     assert [(e["rank"], e["world_size"]) for e in worker_starts] == [(1, 2)]
 
 
-def _bare_launch(job):
+def _bare_launch(job, *options, env=None):
     """A launch with no task around it (machine rank 1 alone, or training without Prefect)."""
     from tasks.launcher import LaunchWatch, launch_command, launch_env, run_launch
     from tasks.train import write_job
 
-    command = launch_command(job.training, "training.train", ["--job", str(write_job(job))])
-    return run_launch(command, launch_env(), job.output_dir, LaunchWatch(hang_timeout_s=120))
+    command = launch_command(job.training, "training.train",
+                             ["--job", str(write_job(job)), *options])
+    return run_launch(command, launch_env(env), job.output_dir, LaunchWatch(hang_timeout_s=120))
 
 
-def test_training_alone_logs_to_the_run_its_job_names(digits_split, tmp_path):
-    """Without Prefect: `accelerate launch -m training.train` logs from the main process."""
+def test_training_alone_logs_to_the_run_it_is_given(digits_split, tmp_path):
+    """Without Prefect: `training.train --log-with mlflow` logs from the main process."""
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     experiment = client.create_experiment("alone", artifact_location=(tmp_path / "art").as_uri())
     run_id = client.create_run(experiment).info.run_id
-    job = _job(digits_split, tmp_path, epochs=2).model_copy(
-        update={"mlflow_run_id": run_id, "mlflow_tracking_uri": uri})
-    _bare_launch(job)  # the bare launch, no task watching it
+    job = _job(digits_split, tmp_path, epochs=2)
+    # the bare launch, no task watching it
+    _bare_launch(job, "--log-with", "mlflow",
+                 env={"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": uri})
     run = client.get_run(run_id)
     assert run.data.params["world_size"] == "2"
     assert [m.step for m in client.get_metric_history(run_id, "val_accuracy")] == [1, 2]

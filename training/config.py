@@ -1,5 +1,7 @@
 """Typed configuration, one model per concern, shared by the flow and the training job file.
 
+The job file itself (`TrainJob`) and the results the stages hand on are in training/handoff.py.
+
 Every model forbids unknown fields so that a typo in `prefect.yaml` or `--param` fails
 at validation instead of being silently ignored.
 """
@@ -233,13 +235,3 @@ class RegistrySpec(Spec):
     significance: float | None = Field(
         None, gt=0, lt=1, description="McNemar's test level required for promotion, e.g. 0.05."
     )
-
-
-class TrainJob(Spec):
-    """The job file that `accelerate launch -m training.train --job JOB.json` reads."""
-
-    manifest: Path = Field(description="manifest.csv written by the split stage.")
-    training: TrainingSpec = TrainingSpec()
-    output_dir: Path = Field(description="Checkpoints, weights and progress events go here.")
-    mlflow_run_id: str | None = Field(None, description="Log into this MLflow run (main process).")
-    mlflow_tracking_uri: str | None = None

@@ -18,27 +18,15 @@ from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from training.config import SplitSpec
-from training.datasets import DatasetRef
-from training.images import ImageCheck, check_image
-from training.labels import DatasetError
+from training.data.images import ImageCheck, check_image
+from training.data.labels import DatasetError
+from training.data.sources import DatasetRef, labelled_files
+from training.handoff import SplitResult
 from training.storage import write_json_atomic, write_text_atomic
 
 SPLITS = ("train", "val", "test")
 MAX_UNREADABLE = 0.05
-
-
-class SplitResult(BaseModel):
-    manifest: Path
-    manifest_sha256: str
-    counts: dict[str, dict[str, int]]
-    """split -> class -> images"""
-    quarantined: int
-    class_names: list[str]
-    channels: int
-    root: Path
 
 
 def split_key(ref: DatasetRef, spec: SplitSpec) -> str:
@@ -63,7 +51,7 @@ def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path) -> SplitResult:
         # The fingerprint covers every file's content, so the checks and the assignment would
         # come out the same: a scheduled retrain on unchanged data decodes nothing here.
         return SplitResult.model_validate_json((out / "summary.json").read_text())
-    pairs = ref.labelled_files()
+    pairs = labelled_files(ref)
     checks = check_images(ref.root, [rel for rel, _ in pairs])
     bad = [c for c in checks if not c.ok]
     if len(bad) > MAX_UNREADABLE * len(pairs):
@@ -168,7 +156,3 @@ def _manifest_csv(rows: list[tuple[str, str, str]]) -> str:
 def read_manifest(manifest: Path) -> list[tuple[str, str, str]]:
     with open(manifest, newline="", encoding="utf-8") as f:
         return [(r["path"], r["label"], r["split"]) for r in csv.DictReader(f)]
-
-
-def read_summary(manifest: Path) -> SplitResult:
-    return SplitResult.model_validate_json((Path(manifest).parent / "summary.json").read_text())

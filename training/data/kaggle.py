@@ -13,8 +13,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.archives import extract_zip
-from training.labels import DatasetError
+from training.data.archives import extract_zip
+from training.data.labels import DatasetError
 
 COMPLETE_MARKER = ".complete"
 

@@ -1,7 +1,7 @@
 """Local services for deployments: Prefect server, MLflow server and a process worker.
 
-    python -m flows.services start --folder .services     # (make services)
-    python -m flows.services stop --folder .services      # (make stop)
+    trainflow services start --folder .services     # (make services)
+    trainflow services stop --folder .services      # (make stop)
 
 Everything binds to 127.0.0.1. Process ids go to <folder>/<name>.pid and logs to
 <folder>/<name>.log; `stop` ends exactly the processes it recorded.
@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tasks.launcher import alive
+from training.processes import alive
 from training.storage import home
 
 BIN = Path(sys.executable).parent
@@ -102,13 +102,14 @@ def stop(folder: Path) -> None:
         pid_file.unlink()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Start or stop the local services.")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="trainflow services",
+                                     description="Start or stop the local services.")
     parser.add_argument("action", choices=["start", "stop"])
     parser.add_argument("--folder", type=Path, default=Path(".services"))
     parser.add_argument("--prefect-port", type=int, default=4200)
     parser.add_argument("--mlflow-port", type=int, default=5000)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.action == "start":
         start(args.folder, args.prefect_port, args.mlflow_port)
     else:

@@ -7,19 +7,18 @@ and every epoch after that (and every later run on the same data) reads memory.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from training.images import load_resized
-from training.split import read_manifest
+from training.data.images import load_resized
+from training.data.split import read_manifest
+from training.handoff import SplitResult
 from training.storage import atomic_path
 
 # Random crops are cut from a slightly larger image, as ImageNet training does (256 -> 224).
@@ -30,17 +29,16 @@ def cache_side(image_size: int, augment: bool) -> int:
     return round(image_size * CROP_MARGIN) if augment else image_size
 
 
-def decode_split(root: Path, manifest: Path, split: str, side: int, channels: int,
-                 cache_dir: Path, on_progress: Callable[[int, int], None] = lambda done, total: None,
+def decode_split(data: SplitResult, split: str, side: int, channels: int,
+                 on_progress: Callable[[int, int], None] = lambda done, total: None,
                  ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(images uint8 [N, C, side, side], labels int64 [N], paths) for one split, cached on disk."""
-    every_row = read_manifest(manifest)
-    rows = [r for r in every_row if r[2] == split]
-    classes = sorted({label for _, label, _ in every_row})
-    index = {name: i for i, name in enumerate(classes)}
+    rows = [r for r in read_manifest(data.manifest) if r[2] == split]
+    index = {name: i for i, name in enumerate(data.class_names)}
     paths = [p for p, _, _ in rows]
     labels = np.array([index[label] for _, label, _ in rows], dtype=np.int64)
-    key = hashlib.sha256(manifest.read_bytes()).hexdigest()[:16]
+    root, cache_dir = data.root, data.manifest.parent / "cache"
+    key = data.manifest_sha256[:16]
     cache = cache_dir / f"{split}-{side}px-{channels}ch-{key}.npy"
     if not cache.is_file():
         images = np.empty((len(rows), channels, side, side), dtype=np.uint8)

@@ -7,15 +7,33 @@ instead of scraping free text.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 
 def progress_dir(output_dir: Path) -> Path:
     return Path(output_dir) / "progress"
+
+
+@dataclass(frozen=True)
+class Rank:
+    """Who this process is, decided once from the Accelerator and passed to whoever needs it."""
+
+    index: int
+    world: int
+    main: bool
+
+    @classmethod
+    def of(cls, accelerator) -> Rank:
+        return cls(accelerator.process_index, accelerator.num_processes,
+                   accelerator.is_main_process)
 
 
 class ProgressWriter:
@@ -34,6 +52,15 @@ class ProgressWriter:
 
     def close(self) -> None:
         self._file.close()
+
+    @contextlib.contextmanager
+    def reporting_errors(self) -> Iterator[None]:
+        """An exception becomes this rank's `error` event (with its traceback), then goes on."""
+        try:
+            yield
+        except Exception as e:
+            self.emit("error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            raise
 
 
 class ProgressReader:

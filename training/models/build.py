@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_model
 from torch import nn
+
+from training.handoff import Preprocessing, TrainJob
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -85,3 +88,28 @@ def _replace_head(model: nn.Module, num_classes: int) -> None:
         raise ValueError(f"{type(model).__name__} has no Linear head to replace")
     parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     setattr(parent, name.rpartition(".")[2], nn.Linear(last.in_features, num_classes))
+
+
+def preprocessing_for(job: TrainJob) -> Preprocessing:
+    """The input the job's model expects: its size, channels and normalisation."""
+    spec = job.training
+    channels = input_channels(spec.model, job.split.channels)
+    mean, std = normalization(spec.model, spec.pretrained, channels)
+    return Preprocessing(image_size=spec.image_size, channels=channels, mean=mean, std=std)
+
+
+def model_for(job: TrainJob, pretrained: bool | None = None) -> nn.Module:
+    """A new model shaped for the job's data (classes, channels, size)."""
+    spec = job.training
+    return build_model(spec.model, len(job.split.class_names),
+                       input_channels(spec.model, job.split.channels), spec.image_size,
+                       spec.pretrained if pretrained is None else pretrained)
+
+
+def load_trained(job: TrainJob, weights: Path) -> nn.Module:
+    """A fresh model with the saved weights, strictly matched (safetensors: nothing unpickled)."""
+    model = model_for(job, pretrained=False)
+    missing, unexpected = load_model(model, str(weights), strict=True)
+    if missing or unexpected:
+        raise RuntimeError(f"weights {weights} do not match the model: {missing=} {unexpected=}")
+    return model.eval()

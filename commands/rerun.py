@@ -1,9 +1,9 @@
 """Retrain exactly what produced a registered model version, from the parameters recorded on it.
 
-    python -m flows.rerun digits-classifier 3                       # here, ephemeral Prefect
-    python -m flows.rerun digits-classifier 3 --deployment train-flow/digits   # via a worker
+    trainflow rerun digits-classifier 3                       # here, ephemeral Prefect
+    trainflow rerun digits-classifier 3 --deployment train-flow/digits   # via a worker
 
-The version's `flow_parameters` tag holds the flow's four parameter models as they were
+The version's `trainflow.flow_parameters` tag holds the flow's four parameter models as they were
 validated; the new run always trains (force=true) and goes through the gate like any other.
 """
 
@@ -14,19 +14,21 @@ import json
 
 from mlflow import MlflowClient
 
+from tasks.lineage import FLOW_PARAMETERS
 from training.storage import tracking_uri
 
 
 def recorded_parameters(model_name: str, version: str) -> dict:
     tags = MlflowClient(tracking_uri()).get_model_version(model_name, version).tags
-    if "flow_parameters" not in tags:
-        raise SystemExit(f"{model_name} v{version} has no flow_parameters tag: it was not "
+    if FLOW_PARAMETERS not in tags:
+        raise SystemExit(f"{model_name} v{version} has no {FLOW_PARAMETERS} tag: it was not "
                          "registered by train-flow")
-    return {**json.loads(tags["flow_parameters"]), "force": True}
+    return {**json.loads(tags[FLOW_PARAMETERS]), "force": True}
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Retrain a registered model version exactly.")
+    parser = argparse.ArgumentParser(prog="trainflow rerun",
+                                     description="Retrain a registered model version exactly.")
     parser.add_argument("model_name")
     parser.add_argument("version")
     parser.add_argument("--deployment", help='e.g. "train-flow/digits": run through a worker')

@@ -1,4 +1,4 @@
-"""Process hygiene and deliberate faults for the fault-tolerance tests.
+"""Deliberate faults for the fault-tolerance tests, outside the training loop's code.
 
 TRAINFLOW_FAULT="<kind>:rank=<r>:epoch=<e>:step=<s>" with kind one of
   raise  - the rank raises RuntimeError at that step
@@ -7,16 +7,15 @@ TRAINFLOW_FAULT="<kind>:rank=<r>:epoch=<e>:step=<s>" with kind one of
   kill   - the rank SIGKILLs itself at that step
 With TRAINFLOW_FAULT_ONCE=<file>, a fault fires only while <file> does not exist (it is created
 when the fault fires), so a retried attempt runs clean.
-Unset in production; read once per step, costs a dict lookup.
+Unset in production: `with_faults` then returns the loader itself, untouched.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
-import sys
 import time
+from collections.abc import Iterable, Iterator
 from functools import cache
 
 
@@ -55,17 +54,14 @@ def inject_fault(rank: int, epoch: int, step: int) -> None:
         time.sleep(3600)
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Ask Linux to send `sig` to this process when its parent dies.
+def with_faults(loader: Iterable, rank: int, epoch: int) -> Iterable:
+    """The loader, or (when TRAINFLOW_FAULT is set) the loader with the fault at its step."""
+    if _fault() is None:
+        return loader
+    return _faulty(loader, rank, epoch)
 
-    Ranks use SIGKILL (a hard-killed `accelerate launch` would otherwise leave them running,
-    holding memory and the rendezvous port); the launcher itself uses SIGTERM, so that a
-    flow-run process killed by its worker still takes the whole launch down with it.
-    """
-    if sys.platform != "linux":
-        return
-    PR_SET_PDEATHSIG = 1
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, sig)
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
+
+def _faulty(loader: Iterable, rank: int, epoch: int) -> Iterator:
+    for step, batch in enumerate(loader, start=1):
+        inject_fault(rank, epoch, step)
+        yield batch

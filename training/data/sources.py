@@ -11,8 +11,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from training.config import DatasetSpec
-from training.kaggle_source import COMPLETE_MARKER, KaggleCredentials, download
-from training.labels import DatasetError, list_labelled_files
+from training.data.kaggle import COMPLETE_MARKER, KaggleCredentials, download
+from training.data.labels import DatasetError, list_labelled_files
 from training.storage import sha256_file
 
 
@@ -31,8 +31,9 @@ class DatasetRef(BaseModel):
     """sha256 over every (path, label, content hash): changes when any file is added,
     removed, relabelled or changed."""
 
-    def labelled_files(self) -> list[tuple[str, str]]:
-        return list_labelled_files(self.root, self.labels, self.source_root)
+
+def labelled_files(ref: DatasetRef) -> list[tuple[str, str]]:
+    return list_labelled_files(ref.root, ref.labels, ref.source_root)
 
 
 def source_root(spec: DatasetSpec, home: Path) -> Path:

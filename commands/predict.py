@@ -1,7 +1,7 @@
 """Classify image files with a registered model (the champion by default).
 
-    python -m flows.predict path/to/cat.1.jpg path/to/dog.7.jpg
-    python -m flows.predict --model train-flow-model --alias challenger img.png
+    trainflow predict path/to/cat.1.jpg path/to/dog.7.jpg
+    trainflow predict --model train-flow-model --alias challenger img.png
 
 Prints one line per file: path, predicted label, probability. The preprocessing saved with
 the model (image size, channels, mean, std) is applied, as in training.
@@ -16,7 +16,7 @@ import mlflow
 import numpy as np
 import torch
 
-from training.images import load_resized
+from training.data.images import load_resized
 from training.storage import tracking_uri
 
 
@@ -41,7 +41,8 @@ def predict(paths: list[Path], model_name: str, alias: str = "champion"
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Classify image files with a registered model.")
+    parser = argparse.ArgumentParser(prog="trainflow predict",
+                                     description="Classify image files with a registered model.")
     parser.add_argument("images", nargs="+", type=Path)
     parser.add_argument("--model", default="train-flow-model", help="registered model name")
     parser.add_argument("--alias", default="champion")

@@ -1,0 +1,103 @@
+"""The checkpoint policy: every epoch's Accelerate state, the best weights, and what to resume.
+
+Naming and rotation are Accelerate's (`ProjectConfiguration(automatic_checkpoint_naming=True,
+total_limit=...)`): `checkpoints/checkpoint_<epoch>/`. What Accelerate does not give is
+completeness, so `trainer_state.json` is written last into each folder, atomically: a folder
+without it was cut off mid-save and is never resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from safetensors.torch import save_model
+from torch import nn
+
+from training.engine.progress import Rank
+from training.handoff import TrainJob
+from training.storage import atomic_path, write_json_atomic
+
+KEEP_CHECKPOINTS = 2
+STATE_FILE = "trainer_state.json"
+
+
+def project_configuration(output_dir: Path) -> ProjectConfiguration:
+    return ProjectConfiguration(project_dir=str(output_dir), automatic_checkpoint_naming=True,
+                                total_limit=KEEP_CHECKPOINTS)
+
+
+@dataclass
+class TrainerState:
+    """What the loop knows besides the tensors: saved with each checkpoint."""
+
+    epoch: int = 0
+    best: dict | None = None
+    history: list[dict] = field(default_factory=list)
+
+    def record(self, epoch: int, metrics: dict) -> bool:
+        """Add an epoch's metrics; True when it is the best so far."""
+        self.epoch = epoch
+        self.history.append({"epoch": epoch, **metrics})
+        if self.best is None or better(metrics, self.best):
+            self.best = {"epoch": epoch, **metrics}
+            return True
+        return False
+
+
+def better(metrics: dict, best: dict) -> bool:
+    """Higher validation accuracy wins; on a tie, lower validation loss."""
+    if metrics["val_accuracy"] != best["val_accuracy"]:
+        return metrics["val_accuracy"] > best["val_accuracy"]
+    return metrics["val_loss"] < best["val_loss"]
+
+
+class Checkpointer:
+    def __init__(self, accelerator: Accelerator, rank: Rank, job: TrainJob, model: nn.Module):
+        self.accelerator, self.rank, self.job, self.model = accelerator, rank, job, model
+        self.folder = job.output_dir / "checkpoints"
+        self.best_weights = job.output_dir / "best.safetensors"
+
+    def save(self, epoch: int, state: TrainerState, is_best: bool) -> Path:
+        if is_best and self.rank.main:
+            # Unwrapped: no "module." (DDP) or "_orig_mod." (compile) prefixes in the names.
+            with atomic_path(self.best_weights) as tmp:
+                save_model(self.accelerator.unwrap_model(self.model), str(tmp),
+                           metadata={"epoch": str(epoch)})
+            write_json_atomic(self.job.output_dir / "best.json", state.best)
+        self.accelerator.project_configuration.iteration = epoch
+        self.accelerator.save_state()
+        folder = self.folder / f"checkpoint_{epoch}"
+        if self.rank.main:
+            write_json_atomic(folder / "job.json", json.loads(self.job.model_dump_json()))
+            write_json_atomic(folder / STATE_FILE, asdict(state))  # last: marks it complete
+        self.accelerator.wait_for_everyone()
+        return folder
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint."""
+        done = [p.parent for p in self.folder.glob(f"checkpoint_*/{STATE_FILE}")]
+        return max(done, key=_number) if done else None
+
+    def resume(self) -> TrainerState | None:
+        """Load the newest complete checkpoint into the prepared objects; None if there is none."""
+        latest = self.latest()
+        if latest is None:
+            return None
+        if self.rank.main:  # a save cut off after it would block Accelerate's naming
+            for stale in self.folder.glob("checkpoint_*"):
+                if _number(stale) > _number(latest):
+                    shutil.rmtree(stale, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.load_state(str(latest))
+        return TrainerState(**json.loads((latest / STATE_FILE).read_text()))
+
+
+def _number(folder: Path) -> int:
+    match = re.search(r"(\d+)$", folder.name)
+    return int(match.group(1)) if match else -1

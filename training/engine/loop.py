@@ -1,0 +1,83 @@
+"""One epoch of training and one pass of validation, as in pytorch/examples' imagenet main.py."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+
+from training.config import TrainingSpec
+from training.engine.faults import with_faults
+from training.engine.progress import ProgressWriter, Rank
+
+
+@dataclass
+class Learner:
+    """The prepared objects one step needs, built once by the entry point."""
+
+    accelerator: Accelerator
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    normalize: torch.nn.Module
+    spec: TrainingSpec
+    rank: Rank
+    progress: ProgressWriter
+
+
+def make_optimizer(spec: TrainingSpec, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = model.parameters()
+    if spec.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=spec.lr, momentum=0.9, weight_decay=spec.weight_decay)
+    if spec.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
+
+
+def train_one_epoch(learner: Learner, loader, epoch: int) -> dict:
+    accelerator, model, optimizer = learner.accelerator, learner.model, learner.optimizer
+    model.train()
+    totals = torch.zeros(3, device=accelerator.device)  # loss sum, correct, images
+    if learner.rank.main and sys.stdout.isatty():  # a bar for people; plain lines for logs
+        from tqdm import tqdm
+
+        loader = tqdm(loader, desc=f"epoch {epoch}", leave=False)
+    for step, (images, labels) in enumerate(with_faults(loader, learner.rank.index, epoch), 1):
+        with accelerator.autocast():
+            logits = model(learner.normalize(images))
+            loss = torch.nn.functional.cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(loss)
+        optimizer.step()
+        totals += torch.stack([loss.detach().float() * len(labels),
+                               (logits.argmax(1) == labels).sum().float(),
+                               torch.tensor(float(len(labels)), device=totals.device)])
+        if step % learner.spec.heartbeat_steps == 0:
+            learner.progress.emit("heartbeat", phase="train", epoch=epoch, step=step)
+    # Summed over ranks: the sampler pads the last round, so a few images may count twice
+    # in training metrics; validation below is exact.
+    loss_sum, correct, images = accelerator.reduce(totals, reduction="sum").tolist()
+    return {"train_loss": loss_sum / images, "train_accuracy": correct / images,
+            "train_images": images}
+
+
+@torch.no_grad()
+def validate(learner: Learner, loader, epoch: int) -> dict:
+    accelerator, model = learner.accelerator, learner.model
+    model.eval()
+    losses, hits = [], []
+    for step, (images, labels) in enumerate(loader, start=1):
+        with accelerator.autocast():
+            logits = model(learner.normalize(images))
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+        # gather_for_metrics drops the samples the sampler duplicated to even out the ranks,
+        # so each validation image counts exactly once.
+        loss, hit = accelerator.gather_for_metrics((loss, logits.argmax(1) == labels))
+        losses.append(loss)
+        hits.append(hit)
+        if step % 10 == 0:
+            learner.progress.emit("heartbeat", phase="val", epoch=epoch, step=step)
+    loss, hit = torch.cat(losses), torch.cat(hits)
+    return {"val_loss": loss.mean().item(), "val_accuracy": hit.float().mean().item(),
+            "val_images": len(hit)}

@@ -1,0 +1,80 @@
+"""The typed results the stages hand each other, so that no stage rediscovers files.
+
+    prepare ──DatasetRef──> split ──SplitResult──> train ──TrainResult──> evaluate, register
+                                        (TrainJob = SplitResult + TrainingSpec + output folder)
+
+`TrainJob` is also the job file that `accelerate launch -m training.train --job JOB.json`
+reads: it carries the split's summary, so the ranks read nothing else to know the data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from training.config import Spec, TrainingSpec
+
+
+class SplitResult(BaseModel):
+    """The manifest and what every later stage needs to know about the data in it."""
+
+    manifest: Path
+    manifest_sha256: str
+    counts: dict[str, dict[str, int]]
+    """split -> class -> images"""
+    quarantined: int
+    class_names: list[str]
+    channels: int
+    """1 when every image is grayscale, else 3"""
+    root: Path
+    """The folder the manifest's paths are relative to."""
+
+    def size(self, split: str) -> int:
+        return sum(self.counts[split].values())
+
+
+class Preprocessing(Spec):
+    """How an image becomes the model's input: the same for training, evaluation and serving."""
+
+    image_size: int
+    channels: int
+    mean: list[float]
+    std: list[float]
+    resize: str = "bilinear, squashed to a square"
+    scale: str = "1/255"
+
+
+class TrainJob(Spec):
+    """What one training launch does: the data (from the split stage), the spec, the folder."""
+
+    split: SplitResult = Field(description="The split stage's result: manifest and summary.")
+    training: TrainingSpec = TrainingSpec()
+    output_dir: Path = Field(description="Checkpoints, weights and progress events go here.")
+
+    @property
+    def manifest(self) -> Path:
+        return self.split.manifest
+
+
+class TrainResult(BaseModel):
+    """What a training launch produced, with everything needed to use its weights."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job: TrainJob
+    preprocessing: Preprocessing
+    weights: Path
+    best_epoch: int
+    best_metrics: dict[str, float]
+    history: list[dict[str, float]]
+    world_size: int
+    mlflow_unsent: int = 0
+
+    @property
+    def output_dir(self) -> Path:
+        return self.job.output_dir
+
+    @property
+    def class_names(self) -> list[str]:
+        return self.job.split.class_names
