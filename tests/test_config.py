@@ -81,3 +81,14 @@ def test_a_job_file_that_is_not_json_is_refused_before_training(tmp_path):
     assert done.returncode != 0
     assert f"job file {bad} is not a valid training job" in done.stderr
     assert not (tmp_path / "progress").exists()
+
+
+def test_the_spec_hash_counts_the_world_size():
+    """Batch size is per process: more processes is a different training, not "unchanged"."""
+    from tasks.lineage import spec_hash
+
+    one, two = (TrainingSpec(num_processes=n) for n in (1, 2))
+    assert spec_hash(one, SplitSpec()) != spec_hash(two, SplitSpec())
+    assert spec_hash(one, SplitSpec()) == spec_hash(TrainingSpec(num_processes=1,
+                                                                 hang_timeout_s=9), SplitSpec())
+    assert spec_hash(one, SplitSpec()) != spec_hash(one, SplitSpec(seed=7))
