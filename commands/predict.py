@@ -3,8 +3,9 @@
     trainflow predict path/to/cat.1.jpg path/to/dog.7.jpg
     trainflow predict --model train-flow-model --alias challenger img.png
 
-Prints one line per file: path, predicted label, probability. The preprocessing saved with
-the model (image size, channels, mean, std) is applied, as in training.
+Prints one line per file: path, predicted label, probability (or the reason a file could not
+be read). The model decodes, resizes and normalises the files itself, as in training; for a
+whole folder, under every GPU, use predict-flow.
 """
 
 from __future__ import annotations
@@ -13,31 +14,15 @@ import argparse
 from pathlib import Path
 
 import mlflow
-import numpy as np
-import torch
+import pandas as pd
 
-from training.data.images import load_resized
 from training.storage import tracking_uri
 
 
-def preprocess(paths: list[Path], preprocessing: dict) -> torch.Tensor:
-    side, channels = preprocessing["image_size"], preprocessing["channels"]
-    batch = torch.from_numpy(np.stack([load_resized(p, side, channels) for p in paths])).float()
-    mean = torch.tensor(preprocessing["mean"]).view(1, -1, 1, 1) * 255
-    std = torch.tensor(preprocessing["std"]).view(1, -1, 1, 1) * 255
-    return (batch - mean) / std
-
-
-def predict(paths: list[Path], model_name: str, alias: str = "champion"
-            ) -> list[tuple[Path, str, float]]:
+def predict(paths: list[Path], model_name: str, alias: str = "champion") -> pd.DataFrame:
     mlflow.set_tracking_uri(tracking_uri())
-    uri = f"models:/{model_name}@{alias}"
-    metadata = mlflow.models.get_model_info(uri).metadata
-    model = mlflow.pytorch.load_model(uri, map_location="cpu").eval()
-    with torch.no_grad():
-        probs = model(preprocess(paths, metadata["preprocessing"]))
-    names = metadata["class_names"]
-    return [(p, names[int(row.argmax())], float(row.max())) for p, row in zip(paths, probs, strict=True)]
+    model = mlflow.pyfunc.load_model(f"models:/{model_name}@{alias}")
+    return model.predict(pd.DataFrame({"image": [p.read_bytes() for p in paths]}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,8 +35,10 @@ def main(argv: list[str] | None = None) -> None:
     missing = [str(p) for p in args.images if not p.is_file()]
     if missing:
         parser.error(f"no such image file: {', '.join(missing)}")
-    for path, label, probability in predict(args.images, args.model, args.alias):
-        print(f"{path}\t{label}\t{probability:.4f}")
+    frame = predict(args.images, args.model, args.alias)
+    for path, row in zip(args.images, frame.itertuples(), strict=True):
+        print(f"{path}\t{row.label}\t{row.probability:.4f}" if row.error is None
+              else f"{path}\terror\t{row.error}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import json
+import tempfile
 from pathlib import Path
 
 import mlflow
@@ -17,12 +19,13 @@ from tasks import run_logger
 from tasks.evaluate import Evaluation
 from tasks.lineage import CHALLENGER, CHAMPION, FLOW_RUN_ID, champion_version, metric_tag
 from training.config import RegistrySpec
+from training.data.split import read_manifest
 from training.handoff import TrainResult
-from training.models.build import load_trained
-from training.models.served import Classifier
+from training.models.build import DESCRIPTION_ARTIFACT, WEIGHTS_ARTIFACT
 from training.storage import tracking_uri
 
 TRAINING_DIR = Path(__file__).resolve().parents[1] / "training"
+SERVED_MODEL = TRAINING_DIR / "models" / "image_classifier.py"
 METRIC = "trainflow.metric"
 PREDICTIONS_RUN_ID = "trainflow.predictions_run_id"
 PROMOTION = "trainflow.promotion"
@@ -44,27 +47,42 @@ class Registration(BaseModel):
 
 
 def log_model(trained: TrainResult, run_id: str) -> str:
-    """Log the unwrapped model (pytorch flavour) with signature, example and preprocessing."""
-    from mlflow.models import infer_signature
+    """Log the model from code (training/models/image_classifier.py), nothing of ours pickled.
 
-    served = Classifier(load_trained(trained.job, trained.weights)).eval()
-    pre = trained.preprocessing
-    info = {"class_names": trained.class_names, "preprocessing": pre.model_dump()}
-    example = torch.zeros(1, pre.channels, pre.image_size, pre.image_size)
-    with torch.no_grad():
-        signature = infer_signature(example.numpy(), served(example).numpy())
+    Weights go as a safetensors artifact, the model's description as JSON, and training/ as
+    code, so the served model decodes and resizes with training's own function.
+    """
+    import pandas as pd
     import torchvision
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema
 
-    with mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None):
-        mlflow.log_dict(info, "model_info/preprocessing.json")
-        mlflow.log_artifact(str(trained.weights), artifact_path="weights")
-        model_info = mlflow.pytorch.log_model(
-            served, name="model", signature=signature, input_example=example.numpy(),
-            code_paths=[str(TRAINING_DIR)], metadata=info, serialization_format="pickle",
+    names = trained.class_names
+    description = {"model": trained.job.training.model, "class_names": names,
+                   "preprocessing": trained.preprocessing.model_dump()}
+    signature = ModelSignature(
+        inputs=Schema([ColSpec("binary", "image")]),
+        outputs=Schema([ColSpec("string", "label", required=False),
+                        ColSpec("double", "probability", required=False),
+                        *[ColSpec("double", f"probability_{c}", required=False) for c in names],
+                        ColSpec("string", "error", required=False)]))
+    example_file = next(trained.job.split.root / path for path, _, split in
+                        read_manifest(trained.job.split.manifest) if split == "test")
+    with tempfile.TemporaryDirectory() as tmp, \
+            mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None):
+        description_file = Path(tmp) / "description.json"
+        description_file.write_text(json.dumps(description, indent=2))
+        model_info = mlflow.pyfunc.log_model(
+            name="model", python_model=str(SERVED_MODEL), code_paths=[str(TRAINING_DIR)],
+            artifacts={WEIGHTS_ARTIFACT: str(trained.weights),
+                       DESCRIPTION_ARTIFACT: str(description_file)},
+            signature=signature, metadata=description,
+            input_example=pd.DataFrame({"image": [example_file.read_bytes()]}),
             # Explicit requirements: inferring them starts a subprocess that imports the model.
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+            pip_requirements=[f"mlflow=={mlflow.__version__}",
+                              f"torch=={torch.__version__.split('+')[0]}",
                               f"torchvision=={torchvision.__version__.split('+')[0]}",
-                              "safetensors", "pillow", "numpy"],
+                              "safetensors", "pillow", "numpy", "pandas", "pydantic"],
         )
     return model_info.model_uri
 

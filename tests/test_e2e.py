@@ -177,3 +177,29 @@ def test_two_flow_runs_at_once_register_both_and_keep_the_better(stack):
     best = max(versions, key=lambda v: float(v.tags[metric_tag("accuracy")]))
     champion = stack.mlflow.get_model_version_by_alias("concurrent-digits", "champion")
     assert champion.version == best.version
+
+
+def test_a_completed_training_triggers_scoring_with_the_champion(stack):
+    """predict-flow/digits-champion's trigger (prefect.yaml) fires on train-flow/digits runs."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    done = subprocess.run([PREFECT, "--no-prompt", "deploy", "--name", "digits-champion",
+                           "--pool", "e2e-pool"], cwd=REPO, env=stack.env, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    trained = run_deployment(stack, {"training": SMALL, "force": True})
+    assert wait_final(stack, trained).state.is_completed()
+    with prefect_client(stack) as client:
+        deployment = client.read_deployment_by_name("predict-flow/digits-champion")
+        only_it = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+        deadline, runs = time.monotonic() + 120, []
+        while not runs and time.monotonic() < deadline:
+            runs = client.read_flow_runs(deployment_filter=only_it)
+            time.sleep(1)
+    assert runs, "no predict-flow run was triggered"
+    assert wait_final(stack, str(runs[0].id)).state.is_completed()
+    experiment = stack.mlflow.get_experiment_by_name("predict-flow")
+    scored = stack.mlflow.search_runs([experiment.experiment_id])
+    champion = stack.mlflow.get_model_version_by_alias("digits-classifier", "champion")
+    assert scored[0].data.metrics["images"] == 1797 and scored[0].data.metrics["errors"] == 0
+    assert scored[0].data.tags["trainflow.model_version"] == champion.version

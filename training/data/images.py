@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -27,8 +28,10 @@ class ImageCheck:
     reason: str = ""
 
 
-def open_image(path: Path, channels: int, draft: tuple[int, int] | None = None) -> Image.Image:
-    """Open and fully decode an image, converted to 1 (L) or 3 (RGB) channels.
+def open_image(path: Path | BinaryIO, channels: int, draft: tuple[int, int] | None = None
+               ) -> Image.Image:
+    """Open and fully decode an image (a file, or encoded bytes in a file object), converted to
+    1 (L) or 3 (RGB) channels.
 
     `verify()` alone accepts truncated JPEGs that later crash a DataLoader mid-epoch, so
     the pixels are always decoded here.
@@ -56,8 +59,14 @@ def open_image(path: Path, channels: int, draft: tuple[int, int] | None = None) 
     except UnidentifiedImageError as e:
         raise ImageRejected("not an image file") from e
     except (OSError, SyntaxError, ValueError) as e:
-        reason = "empty file" if Path(path).stat().st_size == 0 else f"cannot decode: {e}"
+        reason = "empty file" if _is_empty(path) else f"cannot decode: {e}"
         raise ImageRejected(reason) from e
+
+
+def _is_empty(source: Path | BinaryIO) -> bool:
+    if hasattr(source, "getbuffer"):
+        return source.getbuffer().nbytes == 0
+    return Path(source).stat().st_size == 0
 
 
 def check_image(root: Path, relpath: str) -> ImageCheck:
@@ -82,8 +91,9 @@ def _palette_is_gray(img: Image.Image) -> bool:
     return all(r == g == b for r, g, b in triples)
 
 
-def load_resized(path: Path, side: int, channels: int) -> np.ndarray:
-    """uint8 [C, side, side]: the one resize used for training, evaluation and serving."""
+def load_resized(path: Path | BinaryIO, side: int, channels: int) -> np.ndarray:
+    """uint8 [C, side, side]: the one decode and resize used for training, evaluation and
+    serving (the registered model calls it on the bytes it is sent)."""
     img = open_image(path, channels, draft=(side, side)).resize((side, side), Image.BILINEAR)
     arr = np.asarray(img, dtype=np.uint8)
     return arr[None] if channels == 1 else arr.transpose(2, 0, 1)

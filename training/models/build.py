@@ -10,6 +10,8 @@ from torch import nn
 
 from training.handoff import Preprocessing, TrainJob
 
+# The registered model's artifacts, as register_model logs them and image_classifier.py reads them.
+WEIGHTS_ARTIFACT, DESCRIPTION_ARTIFACT = "weights", "description"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 

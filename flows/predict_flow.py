@@ -1,0 +1,46 @@
+"""predict-flow: score a folder (or a Kaggle competition's test set) with a registered model.
+
+    python -m flows.predict_flow '{"images": "path/to/folder"}'
+    prefect deployment run predict-flow/champion --param images=path/to/folder
+
+From Python: `predict_flow(images="path/to/folder", model_name="train-flow-model")`. Writes
+predictions.csv (path, label, probability, one column per class, error) and, for
+dogs-vs-cats-redux, a Kaggle submission.csv; both go to an MLflow run of the predict-flow
+experiment and the first rows to a Prefect table artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Literal
+
+from prefect import flow
+from prefect.runtime import flow_run
+from pydantic import Field
+
+from tasks.preflight import check_mlflow
+from tasks.score import Scores, find_images, publish_scores, resolve_model, score_images
+from training.storage import home
+
+
+@flow(name="predict-flow", log_prints=True)
+def predict_flow(images: str, model_name: str = "train-flow-model", alias: str = "champion",
+                 subdir: str | None = None,
+                 num_processes: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto") -> Scores:
+    """Score every image once with models:/MODEL_NAME@ALIAS, across this machine's processes.
+
+    images: a folder (searched recursively), "kaggle:competitions/<slug>" (its test set) or
+    "builtin:digits"; subdir: a folder inside it to score instead.
+    """
+    check_mlflow()
+    run_dir = home() / "scoring" / str(flow_run.get_id())
+    model = resolve_model(model_name, alias, run_dir / "model")
+    found = find_images(images, subdir)
+    scores = score_images(model, found, run_dir, num_processes)
+    return publish_scores(model, found, scores)
+
+
+if __name__ == "__main__":
+    params = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    print(predict_flow(**params).model_dump_json(indent=2))

@@ -1,0 +1,104 @@
+"""The registered model: encoded images in, class names and probabilities out.
+
+Logged with MLflow's "models from code" (this file is the model; nothing of ours is
+pickled), the weights as a safetensors artifact and the model's description as JSON, and
+`training/` as code, so that the served model decodes and resizes with the very function
+training used. Loading needs MLflow, torch, torchvision, safetensors and Pillow, not this
+project:
+
+    model = mlflow.pyfunc.load_model("models:/train-flow-model@champion")
+    model.predict(pd.DataFrame({"image": [open("cat.1.jpg", "rb").read()]}))
+    #    label  probability  probability_cat  probability_dog  error
+    # 0    cat        0.97             0.97             0.03   None
+
+Input: a DataFrame with a column `image` of encoded image bytes (JPEG, PNG, ...), or base64
+strings of them (what JSON clients send). Output: `label`, `probability` (of that label), one
+`probability_<class>` column per class, and `error` (None, or why that row's image could not
+be read; its other columns are then empty and the other rows are still predicted).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+
+import mlflow
+import numpy as np
+import pandas as pd
+import torch
+
+# training/ travels with the model as code: MLflow puts it on the path before running this file.
+from training.data.images import load_resized
+from training.models.build import DESCRIPTION_ARTIFACT, WEIGHTS_ARTIFACT, build_model
+
+BATCH = 64
+
+
+def decode_image(value: bytes | str, side: int, channels: int) -> np.ndarray:
+    """Encoded bytes (or base64 text) -> uint8 [C, side, side], exactly as in training."""
+    if isinstance(value, str):
+        try:
+            value = base64.b64decode(value, validate=False)
+        except (binascii.Error, ValueError) as e:
+            raise ValueError(f"not base64 image data: {e}") from None
+    if not isinstance(value, bytes | bytearray) or not value:
+        raise ValueError("no image bytes in this row")
+    return load_resized(io.BytesIO(value), side, channels)
+
+
+class ImageClassifier(mlflow.pyfunc.PythonModel):
+    def load_context(self, context) -> None:
+        from safetensors.torch import load_model
+
+        with open(context.artifacts[DESCRIPTION_ARTIFACT]) as f:
+            self.description = json.load(f)
+        d = self.description
+        pre = d["preprocessing"]
+        self.side, self.channels = pre["image_size"], pre["channels"]
+        self.class_names = d["class_names"]
+        self.model = build_model(d["model"], len(self.class_names), self.channels, self.side)
+        load_model(self.model, context.artifacts[WEIGHTS_ARTIFACT], strict=True)
+        self.model.eval()
+        self.mean = torch.tensor(pre["mean"]).view(1, -1, 1, 1) * 255
+        self.std = torch.tensor(pre["std"]).view(1, -1, 1, 1) * 255
+
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None
+                ) -> pd.DataFrame:
+        if "image" not in model_input:
+            raise ValueError('the input needs a column "image" of encoded image bytes or base64')
+        images, errors = [], []
+        for value in model_input["image"]:
+            try:
+                images.append(decode_image(value, self.side, self.channels))
+                errors.append(None)
+            except Exception as e:  # one bad row must not cost the others their predictions
+                images.append(None)
+                errors.append(f"{type(e).__name__}: {e}")
+        good = [i for i, image in enumerate(images) if image is not None]
+        probs = np.full((len(images), len(self.class_names)), np.nan)
+        with torch.no_grad():
+            for start in range(0, len(good), BATCH):
+                rows = good[start:start + BATCH]
+                batch = torch.from_numpy(np.stack([images[i] for i in rows])).float()
+                logits = self.model((batch - self.mean) / self.std)
+                probs[rows] = torch.softmax(logits.float(), 1).numpy()
+        return predictions_frame(probs, self.class_names, errors)
+
+
+def predictions_frame(probs: np.ndarray, class_names: list[str], errors: list[str | None]
+                      ) -> pd.DataFrame:
+    ok = ~np.isnan(probs).any(axis=1)
+    best = np.where(ok, np.nan_to_num(probs).argmax(axis=1), 0)
+    frame = pd.DataFrame({
+        "label": [class_names[b] if good else None for b, good in zip(best, ok, strict=True)],
+        "probability": np.where(ok, probs[np.arange(len(probs)), best], np.nan),
+    })
+    for k, name in enumerate(class_names):
+        frame[f"probability_{name}"] = probs[:, k]
+    frame["error"] = errors
+    return frame
+
+
+mlflow.models.set_model(ImageClassifier())

@@ -1,0 +1,89 @@
+"""Score image files with a logged MLflow model, each image exactly once across the ranks.
+
+    python -m training.score --model MODEL_DIR --images LIST.txt --out DIR
+    accelerate launch --multi_gpu --num_processes 2 -m training.score --model MODEL_DIR \
+        --images LIST.txt --out DIR
+
+MODEL_DIR is a downloaded MLflow model (`mlflow artifacts download -u models:/NAME@champion`);
+LIST.txt holds one image path per line. The ranks share the list out without padding
+(`split_between_processes`), each runs the model's own pyfunc `predict` on its share, and the
+main process writes DIR/predictions.csv in the list's order: path, label, probability, one
+`probability_<class>` column per class, error (why an image could not be scored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from training.engine.progress import ProgressWriter, Rank
+from training.processes import die_with_parent
+from training.storage import write_text_atomic
+
+CHUNK = 256
+
+
+def score(model_dir: Path, paths: list[str], accelerator: Accelerator, rank: Rank,
+          progress: ProgressWriter):
+    """The predictions of every path, in order, on the main process (None elsewhere)."""
+    import mlflow
+    import pandas as pd
+
+    model = mlflow.pyfunc.load_model(str(model_dir))
+    frames = []
+    with accelerator.split_between_processes(list(range(len(paths)))) as mine:
+        for start in range(0, len(mine), CHUNK):
+            rows = mine[start:start + CHUNK]
+            frame = model.predict(pd.DataFrame({"image": [_read(paths[i]) for i in rows]}))
+            frame.insert(0, "path", [paths[i] for i in rows])
+            frame.index = rows
+            frames.append(frame)
+            progress.emit("heartbeat", phase="score", step=start + len(rows), total=len(mine))
+    from accelerate.utils import gather_object
+
+    # Frames are pickled between this job's own ranks only, never read from a store.
+    everything = gather_object(frames)
+    if not rank.main:
+        return None
+    return pd.concat(everything).sort_index() if everything else None
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""  # the model reports the row as unreadable; the others are still scored
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Score image files with a logged model.")
+    parser.add_argument("--model", type=Path, required=True, help="a downloaded MLflow model")
+    parser.add_argument("--images", type=Path, required=True, help="a file of image paths")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    die_with_parent()
+    paths = args.images.read_text().splitlines()
+    accelerator = Accelerator()
+    rank = Rank.of(accelerator)
+    progress = ProgressWriter(args.out, rank.index)
+    progress.emit("start", world_size=rank.world, device=str(accelerator.device),
+                  pid=os.getpid(), threads=torch.get_num_threads())
+    with progress.reporting_errors():
+        predictions = score(args.model, paths, accelerator, rank, progress)
+        if predictions is not None:
+            write_text_atomic(args.out / "predictions.csv", predictions.to_csv(index=False))
+        accelerator.wait_for_everyone()
+    summary = None
+    if predictions is not None:
+        summary = {"images": len(predictions), "errors": int(predictions["error"].notna().sum()),
+                   "predictions": str(args.out / "predictions.csv")}
+    progress.emit("done", world_size=rank.world, scored=summary)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
