@@ -10,7 +10,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_TELEMETRY_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 
-.PHONY: install demo test test-fast lint services stop bench clean
+.PHONY: install demo test test-fast lint services stop bench bench-quality clean
 
 install: $(VENV)/.installed
 
@@ -45,6 +45,9 @@ stop:
 
 bench: install
 	$(PY) -m bench.run
+
+bench-quality: install
+	$(PY) -m bench.quality
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -8,6 +8,10 @@ per epoch (and one at the first step) for bench/run.py to read.
     accelerate launch -m bench.baseline --job JOB.json
     accelerate launch -m bench.baseline --job JOB.json --data memory   # the ceiling
 
+`--recipe tutorial` is the tutorial's own recipe for the quality benchmark (SGD lr 0.01,
+momentum 0.9, Resize + ToTensor + Normalize, no augmentation) instead of mirroring our spec's
+optimizer and augmentation. The weights are saved as safetensors, `model.safetensors`.
+
 `--data memory` runs the same loop on random tensors already in memory, as many as the split
 holds: what training costs when images cost nothing to load, the most any input pipeline
 can reach on this machine.
@@ -22,10 +26,13 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import set_seed
 from PIL import Image
+from safetensors.torch import save_model
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchvision import transforms
 
+from training.data.cache import CROP_SCALE
 from training.data.split import read_manifest
 from training.handoff import TrainJob
 from training.models.build import build_model, input_channels, normalization
@@ -45,19 +52,19 @@ class ManifestImages(Dataset):
         return self.transform(image), self.index[label]
 
 
-def make_datasets(job: TrainJob) -> tuple[Dataset, Dataset]:
+def make_datasets(job: TrainJob, augment: str | None = None) -> tuple[Dataset, Dataset]:
     """The tutorial's train and val datasets: PIL open + transforms on every access."""
     spec = job.training
     summary = job.split
     rows = read_manifest(job.manifest)
     channels = input_channels(spec.model, summary.channels)
     mean, std = normalization(spec.model, spec.pretrained, channels)
-    augment = summary.channels == 3
+    augment = spec.augment if augment is None else augment
     size = spec.image_size
-    train_tf = transforms.Compose(
-        ([transforms.RandomResizedCrop(size, scale=(0.5, 1.0)), transforms.RandomHorizontalFlip()]
-         if augment else [transforms.Resize((size, size))])
-        + [transforms.ToTensor(), transforms.Normalize(mean, std)])
+    steps = ([transforms.RandomResizedCrop(size, scale=CROP_SCALE)] if augment != "none"
+             else [transforms.Resize((size, size))])
+    steps += [transforms.RandomHorizontalFlip()] if augment == "crop_flip" else []
+    train_tf = transforms.Compose(steps + [transforms.ToTensor(), transforms.Normalize(mean, std)])
     val_tf = transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor(),
                                  transforms.Normalize(mean, std)])
     train_set = ManifestImages(summary.root, [r for r in rows if r[2] == "train"],
@@ -79,14 +86,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--job", type=Path, required=True)
     parser.add_argument("--data", choices=["files", "memory"], default="files")
+    parser.add_argument("--recipe", choices=["mirror", "tutorial"], default="mirror")
     args = parser.parse_args()
     job = TrainJob.model_validate_json(args.job.read_text())
     spec = job.training
     accelerator = Accelerator()
+    set_seed(spec.seed)
+    tutorial = args.recipe == "tutorial"
     summary = job.split
     channels = input_channels(spec.model, summary.channels)
     size = spec.image_size
-    train_set, val_set = make_datasets(job)
+    train_set, val_set = make_datasets(job, "none" if tutorial else None)
     if args.data == "memory":
         classes = len(summary.class_names)
         train_set = in_memory(train_set, channels, size, classes)
@@ -94,7 +104,8 @@ def main() -> None:
     train_loader = DataLoader(train_set, batch_size=spec.batch_size, shuffle=True)
     val_loader = DataLoader(val_set, batch_size=spec.batch_size)
     model = build_model(spec.model, len(summary.class_names), channels, size)
-    optimizer = torch.optim.Adam(model.parameters(), lr=spec.lr)
+    optimizer = (torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) if tutorial
+                 else torch.optim.Adam(model.parameters(), lr=spec.lr))
     model, optimizer, train_loader, val_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader)
     first_step = None
@@ -125,7 +136,7 @@ def main() -> None:
                               "images_per_second": seen / seconds,
                               "val_accuracy": correct / total}), flush=True)
     if accelerator.is_main_process:
-        accelerator.save(accelerator.unwrap_model(model).state_dict(), job.output_dir / "model.pt")
+        save_model(accelerator.unwrap_model(model), str(job.output_dir / "model.safetensors"))
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def train_flow(
     lineage = lineage_tags(dataset, split, training, registry, source, data)
     if not force and (version := find_unchanged_champion(registry.model_name, lineage)):
         return FlowResult(skipped=f"champion v{version} already trained on this data and spec")
-    run_id = open_mlflow_run(lineage)
+    run_id = open_mlflow_run(lineage, data)
     try:
         run_dir = home() / "runs" / str(flow_run.get_id())
         trained = train_model(data, training, run_dir / "train", run_id, tracking_uri())

@@ -32,6 +32,9 @@ PROMOTION = "trainflow.promotion"
 PROMOTION_REASON = "trainflow.promotion_reason"
 CHAMPION_VALUE = "trainflow.champion_value_at_decision"
 MCNEMAR_P_VALUE = "trainflow.mcnemar_p_value"
+TEST_METRICS = "trainflow.test_metrics"
+# Below this many test images in a class, a few images' difference is noise.
+MIN_TEST_IMAGES_PER_CLASS = 30
 
 
 class Registration(BaseModel):
@@ -44,6 +47,7 @@ class Registration(BaseModel):
     value: float
     champion_value: float | None = None
     p_value: float | None = None
+    warning: str | None = None
 
 
 def log_model(trained: TrainResult, run_id: str) -> str:
@@ -104,9 +108,39 @@ def mcnemar_p_value(ours: Path, theirs: Path) -> float:
     return float(binomtest(only_ours, only_ours + only_theirs, 0.5).pvalue)
 
 
-def decide(spec: RegistrySpec, value: float, champion, p_value: float | None) -> tuple[bool, str]:
+def beats_chance(evaluation: Evaluation, level: float | None) -> tuple[bool, str]:
+    """Does the model beat always predicting the test split's majority class?
+
+    By its accuracy, and (at `level`) by a one-sided binomial test, so that a model that is
+    right by luck on a small test split is not taken for one that learned.
+    """
+    from scipy.stats import binomtest
+
+    n = evaluation.images
+    majority = max(c["support"] for c in evaluation.per_class.values()) / n
+    correct = round(evaluation.metrics["accuracy"] * n)
+    p = float(binomtest(correct, n, majority, alternative="greater").pvalue)
+    ok = correct / n > majority and (level is None or p < level)
+    return ok, (f"test accuracy {correct / n:.4f} against {majority:.4f} for always predicting "
+                f"the majority class (binomial p={p:.3g})")
+
+
+def small_test_warning(evaluation: Evaluation) -> str | None:
+    smallest, name = min((c["support"], k) for k, c in evaluation.per_class.items())
+    if smallest >= MIN_TEST_IMAGES_PER_CLASS:
+        return None
+    return (f"the test split has only {smallest} images of class {name!r}: differences of a "
+            "few images between models cannot be told from noise; raise split.test_fraction "
+            "or add images")
+
+
+def decide(spec: RegistrySpec, value: float, champion, p_value: float | None,
+           chance: tuple[bool, str]) -> tuple[bool, str]:
     if not spec.promote:
         return False, "promotion disabled (registry.promote=false)"
+    beats, versus = chance
+    if not beats:
+        return False, f"no better than chance: {versus}"
     if champion is None:
         return True, "no champion yet"
     best = float(champion.tags[metric_tag(spec.metric)])
@@ -116,7 +150,7 @@ def decide(spec: RegistrySpec, value: float, champion, p_value: float | None) ->
                        f"({best:.4f}) by at least {spec.min_improvement:g}")
     if spec.significance is not None and p_value is not None and p_value >= spec.significance:
         return False, (f"gain {gain:+.4f} over v{champion.version} is not significant "
-                       f"(McNemar p={p_value:.3g} >= {spec.significance:g})")
+                       f"(McNemar p={p_value:.3g} >= {spec.significance:g}): it may be noise")
     return True, f"test_{spec.metric} {value:.4f} beats champion v{champion.version} ({best:.4f})"
 
 
@@ -139,7 +173,7 @@ def register_model(trained: TrainResult, evaluation: Evaluation, registry: Regis
     else:
         model_uri = log_model(trained, mlflow_run_id)
         tags = {**lineage, METRIC: metric, PREDICTIONS_RUN_ID: mlflow_run_id,
-                **{metric_tag(k): repr(v) for k, v in evaluation.metrics.items()}}
+                metric_tag(metric): repr(value), TEST_METRICS: json.dumps(evaluation.metrics)}
         version = mlflow.register_model(model_uri, name, tags=tags)
 
     champion = champion_version(client, name)
@@ -148,7 +182,10 @@ def register_model(trained: TrainResult, evaluation: Evaluation, registry: Regis
         theirs = Path(client.download_artifacts(champion.tags[PREDICTIONS_RUN_ID],
                                                 "evaluation/predictions.csv"))
         p_value = mcnemar_p_value(evaluation.predictions, theirs)
-    promoted, reason = decide(registry, value, champion, p_value)
+    promoted, reason = decide(registry, value, champion, p_value,
+                              beats_chance(evaluation, registry.significance))
+    if warning := small_test_warning(evaluation):
+        logger.warning("%s", warning)
     champion_value = float(champion.tags[metric_tag(metric)]) if champion is not None else None
     # The decision is tagged before the alias moves, so that a concurrent promoter's
     # reconciliation below can already see it.
@@ -156,6 +193,9 @@ def register_model(trained: TrainResult, evaluation: Evaluation, registry: Regis
                      PROMOTION_REASON: reason, CHAMPION_VALUE: repr(champion_value),
                      MCNEMAR_P_VALUE: repr(p_value)}.items():
         client.set_model_version_tag(name, version.version, key, tag)
+    client.update_model_version(name, version.version, description=(
+        f"v{version.version} {'became champion' if promoted else 'was not promoted'}: {reason}."
+        + (f" Warning: {warning}." if warning else "")))
     client.set_registered_model_alias(name, CHALLENGER, version.version)
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, version.version)
@@ -165,7 +205,7 @@ def register_model(trained: TrainResult, evaluation: Evaluation, registry: Regis
                 "promoted to champion" if promoted else "challenger", reason)
     return Registration(model_name=name, version=str(version.version), aliases=list(aliases),
                         promoted=promoted, reason=reason, metric=metric, value=value,
-                        champion_value=champion_value, p_value=p_value)
+                        champion_value=champion_value, p_value=p_value, warning=warning)
 
 
 def keep_best_champion(client: MlflowClient, name: str, metric: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mlflow import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
@@ -10,6 +12,7 @@ from tasks.register import Registration
 from tasks.tracking import run_url
 from training.data.sources import DatasetRef
 from training.handoff import SplitResult, TrainResult
+from training.storage import tracking_uri
 
 
 @task
@@ -38,4 +41,6 @@ else 'not promoted'}**, {registration.reason}.
 """
     create_markdown_artifact(markdown=markdown, key="train-flow-report",
                              description="train-flow summary")
+    # The same report is the MLflow run's description (the note the run page shows).
+    MlflowClient(tracking_uri()).set_tag(mlflow_run_id, MLFLOW_RUN_NOTE, markdown)
     return markdown

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import mlflow
 from mlflow import MlflowClient
+from mlflow.data.sources import LocalArtifactDatasetSource
+from mlflow.entities import DatasetInput, InputTag
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from prefect import task
 from prefect.runtime import flow_run
 
-from tasks.lineage import GIT_COMMIT
+from tasks.lineage import DATASET_SOURCE, GIT_COMMIT
+from training.data.split import SPLITS, read_manifest
+from training.handoff import SplitResult
 from training.storage import home, tracking_uri
 
 EXPERIMENT = "train-flow"
@@ -27,14 +32,33 @@ def experiment_id(client: MlflowClient) -> str:
 
 
 @task
-def open_mlflow_run(lineage: dict[str, str]) -> str:
-    """Create the flow's MLflow run, tagged with its lineage (Prefect run, code, data)."""
+def open_mlflow_run(lineage: dict[str, str], data: SplitResult) -> str:
+    """Create the flow's MLflow run, tagged with its lineage (Prefect run, code, data), with
+    the train/val/test splits as its MLflow datasets."""
     client = MlflowClient(tracking_uri())
     # MLflow's own tag too, so that the UI shows the commit in its usual place.
     tags = {**lineage, "mlflow.source.git.commit": lineage[GIT_COMMIT]}
     run = client.create_run(experiment_id(client), tags=tags,
                             run_name=f"train-flow/{flow_run.get_name()}")
+    client.log_inputs(run.info.run_id, datasets=split_datasets(lineage[DATASET_SOURCE], data))
     return run.info.run_id
+
+
+def split_datasets(source: str, data: SplitResult) -> list[DatasetInput]:
+    """One MLflow dataset per split: its files and labels, digest = the manifest's hash."""
+    import pandas as pd
+
+    rows = read_manifest(data.manifest)
+    inputs = []
+    for split in SPLITS:
+        frame = pd.DataFrame([(p, label) for p, label, s in rows if s == split],
+                             columns=["path", "label"])
+        dataset = mlflow.data.from_pandas(
+            frame, source=LocalArtifactDatasetSource(data.root.as_uri()), targets="label",
+            name=f"{source} {split}", digest=data.manifest_sha256[:10])
+        inputs.append(DatasetInput(dataset._to_mlflow_entity(),
+                                   tags=[InputTag(MLFLOW_DATASET_CONTEXT, split)]))
+    return inputs
 
 
 @task

@@ -15,6 +15,8 @@ from training.config import TrainingSpec
 from training.handoff import Preprocessing, SplitResult, TrainJob, TrainResult
 from training.storage import write_text_atomic
 
+SYSTEM_METRICS_INTERVAL_S = 2
+
 
 def write_job(job: TrainJob) -> Path:
     path = job.output_dir / "job.json"
@@ -49,10 +51,13 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         elif kind == "resumed" and main:
             logger.info("resumed from %s (epoch %s done)", event["checkpoint"], event["epoch"])
 
+    monitor = system_metrics(mlflow_run_id, tracking_uri)
     try:
         events = launch(job.training, "training.train", args, job.output_dir, logger, on_event,
                         extra_env)
     finally:
+        if monitor is not None:
+            monitor.finish()
         unsent = tracker.flush()  # what the finished epochs logged is kept even on failure
     done = [e for e in events if e["event"] == "done" and e["rank"] == 0]
     if not done:
@@ -69,6 +74,18 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         world_size=result["world_size"],
         mlflow_unsent=unsent,
     )
+
+
+def system_metrics(run_id: str | None, tracking_uri: str | None):
+    """CPU, memory (and GPU, with pynvml) of this machine during training, in the MLflow run."""
+    if run_id is None:
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S,
+                                   tracking_uri=tracking_uri)
+    monitor.start()
+    return monitor
 
 
 @task(retries=1, retry_delay_seconds=2, task_run_name="train-{training.model}")

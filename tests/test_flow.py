@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 from mlflow import MlflowClient
 
 from flows.train_flow import train_flow
-from tasks.lineage import DATASET_FINGERPRINT, FLOW_RUN_ID, MANIFEST_SHA256, SPEC_HASH
+from tasks.lineage import (
+    DATASET_FINGERPRINT,
+    FLOW_PARAMETERS,
+    FLOW_RUN_ID,
+    MANIFEST_SHA256,
+    SPEC_HASH,
+)
 from training.storage import tracking_uri
 
 pytestmark = pytest.mark.slow
@@ -33,6 +40,15 @@ def test_full_flow_on_digits(prefect_engine, session_home):
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")}
     assert {"evaluation/training_curves.png", "evaluation/confusion_matrix.png",
             "evaluation/worst_predictions.png"} <= artifacts
+    # What a user looks for on the run page: datasets, system metrics, description, spec.
+    contexts = {i.tags[0].value: i.dataset for i in run.inputs.dataset_inputs}
+    assert contexts.keys() == {"train", "val", "test"}
+    assert {d.digest for d in contexts.values()} == {
+        run.data.tags[MANIFEST_SHA256][:10]}
+    assert contexts["test"].name == "builtin:digits test"
+    assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics)
+    assert "# train-flow result" in run.data.tags["mlflow.note.content"]
+    assert json.loads(run.data.tags[FLOW_PARAMETERS])["training"]["epochs"] == SMALL["epochs"]
     reg = result.registration
     version = client.get_model_version("flow-digits", reg.version)
     assert "champion" in version.aliases and reg.promoted

@@ -140,3 +140,56 @@ def _env():
     import os
 
     return dict(os.environ)
+
+
+def test_a_chance_level_model_is_never_promoted(models, tmp_path, monkeypatch):
+    """Scored like always answering the majority class: not promoted, even with no champion."""
+    client = _sqlite_client(tmp_path, monkeypatch)
+    split, trained = models
+    run_id = client.create_run(client.create_experiment("chance")).info.run_id
+    evaluation = evaluate_model.fn(trained["worse"], run_id)
+    majority = max(c["support"] for c in evaluation.per_class.values()) / evaluation.images
+    chance = evaluation.model_copy(update={"metrics": {**evaluation.metrics,
+                                                       "accuracy": majority}})
+    reg = register_model.fn(trained["worse"], chance, RegistrySpec(model_name=NAME), run_id,
+                            {FLOW_RUN_ID: "flow-chance", DATASET_FINGERPRINT: "fp",
+                             MANIFEST_SHA256: split.manifest_sha256})
+    assert reg.promoted is False and reg.reason.startswith("no better than chance")
+    assert "majority class" in reg.reason
+    assert reg.aliases == ["challenger"]  # and no champion at all
+    assert client.get_registered_model(NAME).aliases.keys() == {"challenger"}
+    version = client.get_model_version(NAME, reg.version)
+    assert version.description.startswith(f"v{reg.version} was not promoted: no better than chance")
+
+
+def test_a_noise_level_gain_leaves_the_champion_alone(models, tmp_path, monkeypatch):
+    import csv
+
+    client = _sqlite_client(tmp_path, monkeypatch)
+    good_eval, first = _register(models, "good", client)
+    assert first.promoted
+    # The same model, right on two more test images: a gain well inside the noise.
+    with open(good_eval.predictions, newline="") as f:
+        rows = list(csv.DictReader(f))
+    wrong = [r for r in rows if r["correct"] == "0"][:2]
+    assert len(wrong) == 2
+    for row in wrong:
+        row["correct"] = "1"
+    noisy = tmp_path / "noisy.csv"
+    with open(noisy, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    accuracy = good_eval.metrics["accuracy"] + 2 / len(rows)
+    challenger = good_eval.model_copy(update={"predictions": noisy, "metrics": {
+        **good_eval.metrics, "accuracy": accuracy}})
+    split, trained = models
+    run_id = client.create_run(client.create_experiment("noisy")).info.run_id
+    reg = register_model.fn(trained["good"], challenger, RegistrySpec(model_name=NAME), run_id,
+                            {FLOW_RUN_ID: "flow-noisy", DATASET_FINGERPRINT: "fp",
+                             MANIFEST_SHA256: split.manifest_sha256})
+    assert reg.promoted is False and reg.value > good_eval.metrics["accuracy"]
+    assert "not significant" in reg.reason and 0.05 <= reg.p_value < 1
+    assert str(client.get_model_version_by_alias(NAME, "champion").version) == first.version
+    assert "it may be noise" in client.get_model_version(NAME, reg.version).description
+

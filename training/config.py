@@ -153,8 +153,43 @@ class TrainingSpec(Spec):
     lr: float = Field(1e-3, gt=0, le=10)
     optimizer: str = Field("adam", description='"adam", "adamw" or "sgd".')
     weight_decay: float = Field(0.0, ge=0)
-    augment: Literal["auto", "none", "flip_crop"] = Field(
-        "auto", description="auto: random resized crop + flip for RGB datasets, none for grayscale."
+    augment: Literal["none", "crop", "crop_flip"] = Field(
+        "none",
+        description="none: resize only; right for digits, text and short trainings, and the "
+        "tutorial's recipe. crop: a random crop of 70-100% of the image, resized; for objects "
+        "that move and change size in the frame. crop_flip: crop plus a left-right flip; for "
+        "natural photos where a mirror image is the same class (cats, dogs), never for digits "
+        "or text.",
+    )
+    lr_schedule: Literal["constant", "cosine", "onecycle", "step"] = Field(
+        "constant",
+        description="Per-step learning rate after warm-up: constant; cosine (down to 0 at the "
+        "end); onecycle (warm-up over 30% of training unless warmup_epochs says otherwise, "
+        "then cosine down to 0); step (x0.1 after each third of training).",
+    )
+    warmup_epochs: float = Field(
+        0.0, ge=0, description="Linear warm-up from 10% of lr over this many epochs (0: none)."
+    )
+    early_stopping_patience: int | None = Field(
+        None, ge=1, description="Stop after this many epochs without a validation accuracy gain "
+        "of more than early_stopping_min_delta (None: run every epoch). The best epoch is kept."
+    )
+    early_stopping_min_delta: float = Field(
+        0.0, ge=0, description="The validation accuracy gain that counts as an improvement."
+    )
+    gradient_accumulation_steps: int = Field(
+        1, ge=1, le=1024, description="Batches per optimizer step: the effective batch is "
+        "batch_size x processes x this."
+    )
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="Cross-entropy label smoothing.")
+    channels_last: bool = Field(False, description="NHWC memory layout for convolutions.")
+    compile: bool = Field(False, description="torch.compile the model (slow first epoch).")
+    freeze_backbone: bool = Field(
+        False, description="Train only the new classification head (with pretrained=true)."
+    )
+    backbone_lr_factor: float = Field(
+        1.0, gt=0, le=1, description="The backbone's learning rate is lr x this; the head's is "
+        "lr (fine-tuning a pretrained model: e.g. 0.1)."
     )
     num_processes: int | Literal["auto"] = Field(
         "auto", description='Processes on this machine; "auto": the GPUs, or 2 on a CPU machine.'
@@ -199,6 +234,18 @@ class TrainingSpec(Spec):
         return n
 
     @model_validator(mode="after")
+    def _consistent(self) -> TrainingSpec:
+        if self.warmup_epochs >= self.epochs and self.warmup_epochs > 0:
+            raise ValueError(f"training.warmup_epochs {self.warmup_epochs:g} must be below "
+                             f"training.epochs {self.epochs}, e.g. warmup_epochs=1, epochs=10")
+        if self.freeze_backbone and not self.pretrained:
+            raise ValueError("training.freeze_backbone needs pretrained weights to freeze: set "
+                             "training.pretrained=true, or freeze_backbone=false")
+        if self.freeze_backbone and self.model == "basicnet":
+            raise ValueError('training.freeze_backbone needs a torchvision model, e.g. "resnet18"')
+        return self
+
+    @model_validator(mode="after")
     def _machine_rank_in_range(self) -> TrainingSpec:
         if self.machine_rank >= self.num_machines:
             raise ValueError(
@@ -233,5 +280,8 @@ class RegistrySpec(Spec):
     min_improvement: float = Field(0.0, ge=0, description="Needed margin over the champion.")
     promote: bool = Field(True, description="False: register as challenger only.")
     significance: float | None = Field(
-        None, gt=0, lt=1, description="McNemar's test level required for promotion, e.g. 0.05."
+        0.05, gt=0, lt=1,
+        description="A challenger is promoted only when McNemar's test on the test split "
+        "says its gain over the champion is not noise at this level (None: any gain counts). "
+        "Every model must also beat the majority-class predictor at this level (binomial test).",
     )

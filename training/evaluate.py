@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
 
 from training.data.cache import CachedImages, Normalize, decode_split
-from training.engine.progress import ProgressWriter, Rank
+from training.engine.progress import ProgressWriter, Rank, start_rank
 from training.evaluation.metrics import compute_metrics, predictions_csv
 from training.handoff import TrainJob
 from training.models.build import load_trained, preprocessing_for
@@ -100,10 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     job = load_job(args.job)
     accelerator = Accelerator()
-    rank = Rank.of(accelerator)
-    progress = ProgressWriter(args.out, rank.index)
-    progress.emit("start", world_size=rank.world, device=str(accelerator.device),
-                  pid=os.getpid(), threads=torch.get_num_threads())
+    rank, progress = start_rank(accelerator, args.out)
     with progress.reporting_errors():
         metrics = evaluate(job, args.weights or job.output_dir / "best.safetensors", args.out,
                            accelerator, rank, progress)

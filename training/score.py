@@ -14,13 +14,11 @@ main process writes DIR/predictions.csv in the list's order: path, label, probab
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-import torch
 from accelerate import Accelerator
 
-from training.engine.progress import ProgressWriter, Rank
+from training.engine.progress import ProgressWriter, Rank, start_rank
 from training.processes import die_with_parent
 from training.storage import write_text_atomic
 
@@ -68,10 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     paths = args.images.read_text().splitlines()
     accelerator = Accelerator()
-    rank = Rank.of(accelerator)
-    progress = ProgressWriter(args.out, rank.index)
-    progress.emit("start", world_size=rank.world, device=str(accelerator.device),
-                  pid=os.getpid(), threads=torch.get_num_threads())
+    rank, progress = start_rank(accelerator, args.out)
     with progress.reporting_errors():
         predictions = score(args.model, paths, accelerator, rank, progress)
         if predictions is not None:

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -32,10 +34,12 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader
 
+from training.config import TrainingSpec
 from training.data.cache import CachedImages, Normalize, cache_side, decode_split
 from training.engine.checkpoint import Checkpointer, TrainerState, project_configuration
-from training.engine.loop import Learner, make_optimizer, train_one_epoch, validate
-from training.engine.progress import ProgressWriter, Rank
+from training.engine.loop import Learner, train_one_epoch, validate
+from training.engine.progress import ProgressWriter, Rank, start_rank
+from training.engine.schedule import EarlyStopping, make_optimizer, make_scheduler
 from training.handoff import SplitResult, TrainJob
 from training.models.build import load_trained, model_for, preprocessing_for
 from training.processes import die_with_parent
@@ -47,20 +51,25 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
     spec = job.training
     set_seed(spec.seed)
     train_loader, val_loader = make_loaders(job, accelerator, progress)
-    model = model_for(job)
+    model = make_model(job)
     optimizer = make_optimizer(spec, model)
     model, optimizer, train_loader, val_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader)
+    scheduler = make_scheduler(spec, optimizer, optimizer_steps(train_loader, spec))
+    accelerator.register_for_checkpointing(scheduler)  # before any load_state
     pre = preprocessing_for(job)
-    learner = Learner(accelerator, model, optimizer,
+    learner = Learner(accelerator, model, optimizer, scheduler,
                       Normalize(pre.mean, pre.std).to(accelerator.device), spec, rank, progress)
     checkpoints = Checkpointer(accelerator, rank, job, model)
     state = (checkpoints.resume() if resume else None) or TrainerState()
     if state.epoch:
         progress.emit("resumed", checkpoint=str(checkpoints.latest()), epoch=state.epoch)
+    stopper = EarlyStopping(spec.early_stopping_patience, spec.early_stopping_min_delta,
+                            **state.early_stopping)
     report_params(job, accelerator, rank, progress, train_loader, val_loader)
 
-    for epoch in range(state.epoch + 1, spec.epochs + 1):
+    last = state.epoch if stopper.stopped else spec.epochs  # a resumed early stop stays stopped
+    for epoch in range(state.epoch + 1, last + 1):
         train_loader.set_epoch(epoch)
         started = time.perf_counter()
         trained = train_one_epoch(learner, train_loader, epoch)
@@ -68,8 +77,12 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
         seconds = time.perf_counter() - started
         metrics |= {"epoch_seconds": seconds,
                     "images_per_second": metrics.pop("train_images") / seconds,
-                    "learning_rate": optimizer.param_groups[0]["lr"]}
+                    "learning_rate": optimizer.param_groups[0]["lr"],
+                    "optimizer_steps": scheduler.last_epoch}  # the scheduler counts them
         is_best = state.record(epoch, metrics)
+        stop = stopper.should_stop(metrics["val_accuracy"])
+        state.early_stopping = {k: v for k, v in asdict(stopper).items()
+                                if k in ("best", "waited", "stopped")}
         checkpoint = checkpoints.save(epoch, state, is_best)
         accelerator.log(metrics, step=epoch)
         progress.emit("epoch", epoch=epoch, epochs=spec.epochs, metrics=metrics,
@@ -77,13 +90,29 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
         if rank.main:
             print(f"[rank {rank.index}] epoch {epoch}/{spec.epochs} " + " ".join(
                 f"{k}={v:.4g}" for k, v in metrics.items()), flush=True)
+        if stop:  # every rank saw the same gathered metrics: all leave here together
+            progress.emit("early_stop", epoch=epoch, best_epoch=state.best["epoch"])
+            break
     return finish(job, accelerator, rank, progress, state, checkpoints.best_weights)
+
+
+def make_model(job: TrainJob) -> torch.nn.Module:
+    model = model_for(job)
+    if job.training.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    # Compiled before prepare(); the saved weights are unwrapped from it (no "_orig_mod.").
+    return torch.compile(model) if job.training.compile else model
+
+
+def optimizer_steps(loader: DataLoader, spec: TrainingSpec) -> int:
+    """Optimizer steps per epoch on this rank's share of the data."""
+    return math.ceil(len(loader) / spec.gradient_accumulation_steps)
 
 
 def make_loaders(job: TrainJob, accelerator: Accelerator, progress: ProgressWriter
                  ) -> tuple[DataLoader, DataLoader]:
     spec, pre = job.training, preprocessing_for(job)
-    augment = spec.augment == "flip_crop" or (spec.augment == "auto" and job.split.channels == 3)
+    augment = spec.augment != "none"
 
     def decoding(split):
         return lambda done, total: progress.emit("heartbeat", phase=f"decode {split}",
@@ -95,7 +124,7 @@ def make_loaders(job: TrainJob, accelerator: Accelerator, progress: ProgressWrit
                                            pre.channels, decoding("train"))
         val_x, val_y, _ = decode_split(job.split, "val", pre.image_size, pre.channels,
                                        decoding("val"))
-    return (DataLoader(CachedImages(train_x, train_y, pre.image_size, augment),
+    return (DataLoader(CachedImages(train_x, train_y, pre.image_size, spec.augment),
                        batch_size=spec.batch_size, shuffle=True),
             DataLoader(CachedImages(val_x, val_y, pre.image_size, False),
                        batch_size=spec.batch_size))
@@ -139,6 +168,7 @@ def load_job(path: Path) -> TrainJob:
 
 def make_accelerator(job: TrainJob, log_with: str | None = None) -> Accelerator:
     return Accelerator(mixed_precision=job.training.mixed_precision, log_with=log_with,
+                       gradient_accumulation_steps=job.training.gradient_accumulation_steps,
                        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
                        project_config=project_configuration(job.output_dir))
 
@@ -156,10 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     job = load_job(args.job)
     accelerator = make_accelerator(job, args.log_with)
-    rank = Rank.of(accelerator)  # who this process is: decided here, passed everywhere
-    progress = ProgressWriter(job.output_dir, rank.index)
-    progress.emit("start", world_size=rank.world, device=str(accelerator.device),
-                  pid=os.getpid(), threads=torch.get_num_threads())
+    rank, progress = start_rank(accelerator, job.output_dir)  # passed everywhere
     with progress.reporting_errors():
         train(job, accelerator, rank, progress, resume=args.resume)
 

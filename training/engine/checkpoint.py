@@ -39,6 +39,7 @@ class TrainerState:
     epoch: int = 0
     best: dict | None = None
     history: list[dict] = field(default_factory=list)
+    early_stopping: dict = field(default_factory=dict)
 
     def record(self, epoch: int, metrics: dict) -> bool:
         """Add an epoch's metrics; True when it is the best so far."""
@@ -67,7 +68,7 @@ class Checkpointer:
         if is_best and self.rank.main:
             # Unwrapped: no "module." (DDP) or "_orig_mod." (compile) prefixes in the names.
             with atomic_path(self.best_weights) as tmp:
-                save_model(self.accelerator.unwrap_model(self.model), str(tmp),
+                save_model(self.accelerator.unwrap_model(self.model, keep_torch_compile=False), str(tmp),
                            metadata={"epoch": str(epoch)})
             write_json_atomic(self.job.output_dir / "best.json", state.best)
         self.accelerator.project_configuration.iteration = epoch

@@ -20,36 +20,42 @@ class Learner:
     accelerator: Accelerator
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     normalize: torch.nn.Module
     spec: TrainingSpec
     rank: Rank
     progress: ProgressWriter
 
-
-def make_optimizer(spec: TrainingSpec, model: torch.nn.Module) -> torch.optim.Optimizer:
-    params = model.parameters()
-    if spec.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=spec.lr, momentum=0.9, weight_decay=spec.weight_decay)
-    if spec.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
-    return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    def inputs(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 batch -> the model's normalised float input, in the chosen memory layout."""
+        batch = self.normalize(images)
+        return batch.contiguous(memory_format=torch.channels_last) if self.spec.channels_last \
+            else batch
 
 
 def train_one_epoch(learner: Learner, loader, epoch: int) -> dict:
     accelerator, model, optimizer = learner.accelerator, learner.model, learner.optimizer
-    model.train()
+    smoothing = learner.spec.label_smoothing
+    # A frozen backbone stays in eval mode: its BatchNorm statistics must not drift either.
+    model.train(not learner.spec.freeze_backbone)
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, correct, images
     if learner.rank.main and sys.stdout.isatty():  # a bar for people; plain lines for logs
         from tqdm import tqdm
 
         loader = tqdm(loader, desc=f"epoch {epoch}", leave=False)
     for step, (images, labels) in enumerate(with_faults(loader, learner.rank.index, epoch), 1):
-        with accelerator.autocast():
-            logits = model(learner.normalize(images))
-            loss = torch.nn.functional.cross_entropy(logits, labels)
-        optimizer.zero_grad(set_to_none=True)
-        accelerator.backward(loss)
-        optimizer.step()
+        # accumulate() skips the gradient sync and the optimizer step on all but every
+        # gradient_accumulation_steps-th batch, and scales the loss to match.
+        with accelerator.accumulate(model):
+            with accelerator.autocast():
+                logits = model(learner.inputs(images))
+                loss = torch.nn.functional.cross_entropy(logits, labels,
+                                                         label_smoothing=smoothing)
+            accelerator.backward(loss)
+            optimizer.step()
+            if accelerator.sync_gradients:
+                learner.scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
         totals += torch.stack([loss.detach().float() * len(labels),
                                (logits.argmax(1) == labels).sum().float(),
                                torch.tensor(float(len(labels)), device=totals.device)])
@@ -69,7 +75,7 @@ def validate(learner: Learner, loader, epoch: int) -> dict:
     losses, hits = [], []
     for step, (images, labels) in enumerate(loader, start=1):
         with accelerator.autocast():
-            logits = model(learner.normalize(images))
+            logits = model(learner.inputs(images))
         loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
         # gather_for_metrics drops the samples the sampler duplicated to even out the ranks,
         # so each validation image counts exactly once.

@@ -63,6 +63,20 @@ class ProgressWriter:
             raise
 
 
+def start_rank(accelerator, output_dir: Path) -> tuple[Rank, ProgressWriter]:
+    """Who this process is (decided once, then passed on) and its channel, opened with the
+    `start` event that tells the launcher the rank is up."""
+    import os
+
+    import torch
+
+    rank = Rank.of(accelerator)
+    progress = ProgressWriter(output_dir, rank.index)
+    progress.emit("start", world_size=rank.world, device=str(accelerator.device),
+                  pid=os.getpid(), threads=torch.get_num_threads())
+    return rank, progress
+
+
 class ProgressReader:
     """Reads new complete lines from every rank's file; a partial last line waits for its end."""
 

@@ -80,16 +80,25 @@ def build_model(model_name: str, num_classes: int, channels: int, image_size: in
     return model
 
 
+def _head_name(model: nn.Module) -> str:
+    """The last Linear layer (resnet.fc, vgg.classifier.6, BasicNet.fc2): the classifier head."""
+    name = next((n for n, m in reversed(list(model.named_modules())) if isinstance(m, nn.Linear)),
+                None)
+    if name is None:
+        raise ValueError(f"{type(model).__name__} has no Linear head")
+    return name
+
+
+def head_of(model: nn.Module) -> nn.Module:
+    return model.get_submodule(_head_name(model))
+
+
 def _replace_head(model: nn.Module, num_classes: int) -> None:
-    """Swap the last Linear layer (resnet.fc, vgg.classifier[6], ...) for one of `num_classes`."""
-    name, last = next(
-        ((n, m) for n, m in reversed(list(model.named_modules())) if isinstance(m, nn.Linear)),
-        (None, None),
-    )
-    if last is None:
-        raise ValueError(f"{type(model).__name__} has no Linear head to replace")
+    """Swap the head for a new one of `num_classes` outputs, as transfer learning does."""
+    name = _head_name(model)
     parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-    setattr(parent, name.rpartition(".")[2], nn.Linear(last.in_features, num_classes))
+    in_features = model.get_submodule(name).in_features
+    setattr(parent, name.rpartition(".")[2], nn.Linear(in_features, num_classes))
 
 
 def preprocessing_for(job: TrainJob) -> Preprocessing:
