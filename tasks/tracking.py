@@ -32,14 +32,15 @@ def experiment_id(client: MlflowClient) -> str:
 
 
 @task
-def open_mlflow_run(lineage: dict[str, str], data: SplitResult) -> str:
+def open_mlflow_run(lineage: dict[str, str], data: SplitResult, flow_name: str = "train-flow"
+                    ) -> str:
     """Create the flow's MLflow run, tagged with its lineage (Prefect run, code, data), with
     the train/val/test splits as its MLflow datasets."""
     client = MlflowClient(tracking_uri())
     # MLflow's own tag too, so that the UI shows the commit in its usual place.
     tags = {**lineage, "mlflow.source.git.commit": lineage[GIT_COMMIT]}
     run = client.create_run(experiment_id(client), tags=tags,
-                            run_name=f"train-flow/{flow_run.get_name()}")
+                            run_name=f"{flow_name}/{flow_run.get_name()}")
     client.log_inputs(run.info.run_id, datasets=split_datasets(lineage[DATASET_SOURCE], data))
     return run.info.run_id
 

@@ -1,0 +1,75 @@
+"""sweep-flow: an Optuna search over the training spec; the best trial goes through the gate.
+
+    python -m flows.sweep_flow '{"dataset": {"source": "builtin:digits"},
+        "training": {"epochs": 4}, "n_trials": 8,
+        "search_space": {"lr": {"log_uniform": [1e-4, 1e-1]}, "batch_size": {"choice": [32, 64]}}}'
+    prefect deployment run sweep-flow/digits-sweep
+
+Takes train-flow's parameters (the training spec is the base each trial varies) and the
+sweep's. Trials are nested MLflow runs under the sweep's run; the best complete trial alone is
+evaluated on the test split and registered behind the same gate as train-flow. Run again
+with the same parameters, it resumes the same study (storage: `storage`, or
+$TRAINFLOW_HOME/optuna.db) and runs only the trials still missing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from prefect import flow
+from pydantic import BaseModel
+
+from tasks.data import prepare_dataset, split_dataset
+from tasks.evaluate import Evaluation, evaluate_model
+from tasks.lineage import lineage_tags
+from tasks.preflight import check_before_start
+from tasks.register import Registration, register_model
+from tasks.sweep import SweepSummary, run_trials
+from tasks.tracking import close_mlflow_run, open_mlflow_run
+from training.config import DatasetSpec, Distribution, RegistrySpec, SplitSpec, SweepSpec, TrainingSpec
+
+
+class SweepResult(BaseModel):
+    mlflow_run_id: str
+    sweep: SweepSummary
+    evaluation: Evaluation
+    registration: Registration
+
+
+@flow(name="sweep-flow", log_prints=True)
+def sweep_flow(
+    dataset: DatasetSpec,
+    search_space: dict[str, Distribution],
+    split: SplitSpec = SplitSpec(),  # noqa: B008  (frozen pydantic models: safe defaults)
+    training: TrainingSpec = TrainingSpec(),  # noqa: B008
+    registry: RegistrySpec = RegistrySpec(),  # noqa: B008
+    n_trials: int = 8,
+    max_concurrency: int = 1,
+    budget_s: float | None = None,
+    storage: str | None = None,
+) -> SweepResult:
+    sweep = SweepSpec(search_space=search_space, n_trials=n_trials,
+                      max_concurrency=max_concurrency, budget_s=budget_s)
+    check_before_start(dataset, training)
+    source = prepare_dataset(dataset)
+    data = split_dataset(source, split)
+    run_id = open_mlflow_run(lineage_tags(dataset, split, training, registry, source, data), data,
+                             flow_name="sweep-flow")
+    try:
+        summary = run_trials(data, training, sweep, dataset.source, run_id, storage)
+        best = summary.best
+        lineage = lineage_tags(dataset, split, best.job.training, registry, source, data)
+        evaluation = evaluate_model(best, summary.best_run_id)
+        registration = register_model(best, evaluation, registry, summary.best_run_id, lineage)
+    except BaseException as e:
+        close_mlflow_run.fn(run_id, "FAILED" if isinstance(e, Exception) else "KILLED")
+        raise
+    close_mlflow_run(run_id, "FINISHED")
+    return SweepResult(mlflow_run_id=run_id, sweep=summary, evaluation=evaluation,
+                       registration=registration)
+
+
+if __name__ == "__main__":
+    result = sweep_flow(**json.loads(sys.argv[1]))
+    print(result.model_dump_json(indent=2, exclude={"sweep": {"best"}}))

@@ -1,0 +1,117 @@
+"""sweep-flow: Optuna trials on the same launcher, pruned on epochs, resumed after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+from optuna.trial import TrialState
+
+from tasks.lineage import FLOW_RUN_ID
+from tasks.sweep import TRIAL_STATE
+from training.storage import tracking_uri
+
+SMALL = {"epochs": 3, "image_size": 12, "batch_size": 50}
+SPACE = {"lr": {"log_uniform": [1e-7, 1e-2]}}
+
+
+def _trials(storage: str) -> list[optuna.trial.FrozenTrial]:
+    [summary] = optuna.get_all_study_summaries(storage)
+    return optuna.load_study(study_name=summary.study_name, storage=storage).trials
+
+
+@pytest.mark.slow
+def test_a_sweep_prunes_nests_its_runs_and_registers_the_best(prefect_engine, tmp_path):
+    from flows.sweep_flow import sweep_flow
+
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    result = sweep_flow(dataset={"source": "builtin:digits"}, training=SMALL, search_space=SPACE,
+                        n_trials=4, registry={"model_name": "sweep-digits"}, storage=storage)
+    trials = _trials(storage)
+    states = [t.state for t in trials]
+    assert len(trials) == 4 and TrialState.PRUNED in states and TrialState.COMPLETE in states
+    assert result.sweep.trials["PRUNED"] == states.count(TrialState.PRUNED)
+    pruned = [t for t in trials if t.state == TrialState.PRUNED]
+    assert result.sweep.epochs_not_run == sum(3 - t.user_attrs["epochs_run"] for t in pruned) > 0
+
+    client = MlflowClient(tracking_uri())
+    parent = client.get_run(result.mlflow_run_id)
+    children = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert len(children) == 4
+    assert sorted(c.data.tags[TRIAL_STATE] for c in children) == sorted(
+        "pruned" if s == TrialState.PRUNED else "complete" for s in states)
+    assert all(len(client.get_metric_history(c.info.run_id, "val_accuracy")) >= 1
+               for c in children)
+    assert parent.data.params["best.lr"] == str(result.sweep.best_params["lr"])
+    assert {a.path for a in client.list_artifacts(parent.info.run_id, "study")} == {
+        "study/trials.csv", "study/parallel_coordinates.png"}
+
+    best = max((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.value)
+    assert result.sweep.best_run_id == best.user_attrs["trainflow.mlflow_run_id"]
+    assert result.sweep.best.job.training.lr == best.params["lr"]
+    best_run = client.get_run(result.sweep.best_run_id)
+    assert "test_accuracy" in best_run.data.metrics  # only the best trial is evaluated
+    assert sum("test_accuracy" in c.data.metrics for c in children) == 1
+    version = client.get_model_version("sweep-digits", result.registration.version)
+    assert version.tags[FLOW_RUN_ID] == parent.data.tags[FLOW_RUN_ID]
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_resumes_without_redoing_finished_trials(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    params = {"dataset": {"source": "builtin:digits"}, "training": SMALL, "n_trials": 4,
+              "search_space": SPACE, "registry": {"model_name": "sweep-resume"},
+              "storage": storage}
+    env = {**os.environ, "TRAINFLOW_HOME": str(tmp_path / "home"),
+           "PREFECT_HOME": str(tmp_path / "prefect")}
+    command = [sys.executable, "-m", "flows.sweep_flow", json.dumps(params)]
+    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    finished: list = []
+    deadline = time.monotonic() + 400
+    while len(finished) < 2 and time.monotonic() < deadline and first.poll() is None:
+        time.sleep(1)
+        if (tmp_path / "optuna.db").exists():
+            try:
+                finished = [t for t in _trials(storage)
+                            if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+            except (ValueError, KeyError, optuna.exceptions.OptunaError):
+                continue
+    assert len(finished) >= 2 and first.poll() is None, "the sweep never got two trials done"
+    os.killpg(first.pid, signal.SIGKILL)  # the flow process and its Prefect server
+    first.wait(30)
+    before = {t.number: t.params for t in finished}
+
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    trials = _trials(storage)
+    counted = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(counted) == 4  # n_trials in all, across both runs
+    assert {n: p for n, p in ((t.number, t.params) for t in counted) if n in before} == before
+    assert len(trials) - len(counted) <= 1  # at most the trial the kill interrupted, failed
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"search_space": {}}, "search_space is empty"),
+    ({"search_space": {"lr": {"log_uniform": [0, 1]}}}, "log_uniform needs low > 0"),
+    ({"search_space": {"lr": {"range": [1, 2]}}}, "Extra inputs are not permitted"),
+    ({"search_space": {"learning_rate": {"choice": [0.1]}}}, "not searchable training fields"),
+    ({"search_space": {"epochs": {"choice": [1, 2]}}}, "not searchable training fields"),
+    ({"search_space": SPACE, "n_trials": 0}, "greater than or equal to 1"),
+])
+def test_bad_sweeps_are_refused_before_any_trial(prefect_engine, tmp_path, params, message):
+    from flows.sweep_flow import sweep_flow
+
+    with pytest.raises(Exception, match=message):
+        sweep_flow(dataset={"source": "builtin:digits"}, training=SMALL,
+                   storage=f"sqlite:///{tmp_path / 'optuna.db'}", **params)
+    assert not (tmp_path / "optuna.db").exists()
