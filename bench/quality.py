@@ -43,7 +43,7 @@ from training.models.build import build_model, load_trained
 
 LOG = logging.getLogger("bench-quality")
 COMMON = {"model": "resnet18", "image_size": 32, "batch_size": 32, "num_processes": 2}
-RECIPE = {"lr_schedule": "cosine", "warmup_epochs": 1, "label_smoothing": 0.1}
+RECIPE = {"lr": 0.003, "lr_schedule": "onecycle"}
 HELD_OUT_PER_CLASS = 15
 
 
