@@ -26,7 +26,7 @@ from tasks.lineage import lineage_tags
 from tasks.preflight import check_before_start
 from tasks.register import Registration, register_model
 from tasks.sweep import SweepSummary, run_trials
-from tasks.tracking import close_mlflow_run, open_mlflow_run
+from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run
 from training.config import DatasetSpec, Distribution, RegistrySpec, SplitSpec, SweepSpec, TrainingSpec
 
 
@@ -56,15 +56,12 @@ def sweep_flow(
     data = split_dataset(source, split)
     run_id = open_mlflow_run(lineage_tags(dataset, split, training, registry, source, data), data,
                              flow_name="sweep-flow")
-    try:
+    with failing_with_the_flow(run_id):
         summary = run_trials(data, training, sweep, dataset.source, run_id, storage)
         best = summary.best
         lineage = lineage_tags(dataset, split, best.job.training, registry, source, data)
         evaluation = evaluate_model(best, summary.best_run_id)
         registration = register_model(best, evaluation, registry, summary.best_run_id, lineage)
-    except BaseException as e:
-        close_mlflow_run.fn(run_id, "FAILED" if isinstance(e, Exception) else "KILLED")
-        raise
     close_mlflow_run(run_id, "FINISHED")
     return SweepResult(mlflow_run_id=run_id, sweep=summary, evaluation=evaluation,
                        registration=registration)

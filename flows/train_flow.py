@@ -24,7 +24,7 @@ from tasks.lineage import find_unchanged_champion, lineage_tags
 from tasks.preflight import check_before_start
 from tasks.register import Registration, register_model
 from tasks.report import publish_report
-from tasks.tracking import close_mlflow_run, open_mlflow_run
+from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run
 from tasks.train import train_model
 from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
 from training.handoff import TrainResult
@@ -54,17 +54,12 @@ def train_flow(
     if not force and (version := find_unchanged_champion(registry.model_name, lineage)):
         return FlowResult(skipped=f"champion v{version} already trained on this data and spec")
     run_id = open_mlflow_run(lineage, data)
-    try:
+    with failing_with_the_flow(run_id):
         run_dir = home() / "runs" / str(flow_run.get_id())
         trained = train_model(data, training, run_dir / "train", run_id, tracking_uri())
         evaluation = evaluate_model(trained, run_id)
         registration = register_model(trained, evaluation, registry, run_id, lineage)
         publish_report(source, data, trained, evaluation, registration, run_id)
-    except BaseException as e:
-        # Called directly, not as a task: a cancelled flow run may not start new task runs,
-        # and the MLflow run must never be left RUNNING.
-        close_mlflow_run.fn(run_id, "FAILED" if isinstance(e, Exception) else "KILLED")
-        raise
     close_mlflow_run(run_id, "FINISHED")
     return FlowResult(mlflow_run_id=run_id, trained=trained, evaluation=evaluation,
                       registration=registration)

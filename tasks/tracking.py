@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import mlflow
 from mlflow import MlflowClient
 from mlflow.data.sources import LocalArtifactDatasetSource
@@ -66,6 +69,20 @@ def split_datasets(source: str, data: SplitResult) -> list[DatasetInput]:
 def close_mlflow_run(run_id: str, status: str) -> None:
     """FINISHED, FAILED or KILLED: a run is never left RUNNING."""
     MlflowClient(tracking_uri()).set_terminated(run_id, status=status)
+
+
+@contextlib.contextmanager
+def failing_with_the_flow(run_id: str) -> Iterator[None]:
+    """An exception (or a cancellation) inside ends the MLflow run FAILED (or KILLED).
+
+    close_mlflow_run is called directly, not as a task: a cancelled flow run may not start
+    new task runs, and the MLflow run must never be left RUNNING.
+    """
+    try:
+        yield
+    except BaseException as e:
+        close_mlflow_run.fn(run_id, "FAILED" if isinstance(e, Exception) else "KILLED")
+        raise
 
 
 def run_url(run_id: str) -> str:

@@ -86,8 +86,11 @@ def test_gate_on_a_sqlite_store(models, tmp_path, monkeypatch):
 
     # The predict command on PNG files: the champion's labels are the evaluation's.
     split, _ = models
-    rows = [r for r in read_manifest(split.manifest) if r[2] == "test"][:5]
-    expected = {p: pred for p, _, pred, _, _ in _predictions(better_eval.predictions)}
+    # Clear-cut predictions only: other thread counts move the last digits of near-ties.
+    expected = {p: pred for p, _, pred, prob, _ in _predictions(better_eval.predictions)
+                if float(prob) > 0.5}
+    rows = [r for r in read_manifest(split.manifest) if r[2] == "test" and r[0] in expected][:5]
+    assert len(rows) == 5
     files = [str(split.root / p) for p, _, _ in rows]
     out = subprocess.run([str(Path(sys.executable).parent / "trainflow"), "predict", "--model",
                           NAME, *files], capture_output=True, text=True, timeout=120,

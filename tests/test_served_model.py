@@ -51,7 +51,11 @@ def registered(digits_split, tmp_path_factory):
         registration = register_model.fn(trained, evaluation, RegistrySpec(model_name=NAME),
                                          run_id, {FLOW_RUN_ID: "served"})
     assert registration.promoted
-    predicted = {row["path"]: row["predicted"] for row in _csv(evaluation.predictions)}
+    # Only clear-cut predictions are compared: a different thread count can move the last
+    # float digits, which may flip a near-tie but never a label above 0.5.
+    predicted = {row["path"]: row["predicted"] for row in _csv(evaluation.predictions)
+                 if float(row["probability"]) > 0.5}
+    assert len(predicted) > evaluation.images / 2
     tests = [(p, label) for p, label, s in read_manifest(split.manifest) if s == "test"]
     return {"uri": uri, "folder": folder, "split": split, "predicted": predicted, "tests": tests}
 
@@ -89,7 +93,7 @@ print(out.to_json(orient="records"))
 
 def test_the_champion_loads_and_predicts_where_the_project_is_absent(registered, tmp_path):
     split = registered["split"]
-    rows = registered["tests"][:6]
+    rows = [t for t in registered["tests"] if t[0] in registered["predicted"]][:6]
     raw = [(split.root / p).read_bytes() for p, _ in rows]
     request = {"bytes": [base64.b64encode(b).decode() for b in raw[:3]],
                "base64": [base64.b64encode(b).decode() for b in raw[3:]]}
@@ -158,7 +162,8 @@ def test_predict_flow_scores_each_image_once_across_two_processes(
     folder = tmp_path / "incoming"
     (folder / "sub").mkdir(parents=True)
     names = []
-    for i, (path, _) in enumerate(registered["tests"][:21]):
+    clear = [t for t in registered["tests"] if t[0] in registered["predicted"]]
+    for i, (path, _) in enumerate(clear[:21]):
         name = f"sub/{i:02d}.png" if i % 2 else f"{i:02d}.png"
         (folder / name).write_bytes((split.root / path).read_bytes())
         names.append((name, path))
