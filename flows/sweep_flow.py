@@ -48,9 +48,11 @@ def sweep_flow(
     max_concurrency: int = 1,
     budget_s: float | None = None,
     storage: str | None = None,
+    pruning_warmup_epochs: int = 1,
 ) -> SweepResult:
     sweep = SweepSpec(search_space=search_space, n_trials=n_trials,
-                      max_concurrency=max_concurrency, budget_s=budget_s)
+                      max_concurrency=max_concurrency, budget_s=budget_s,
+                      pruning_warmup_epochs=pruning_warmup_epochs)
     check_before_start(dataset, training)
     source = prepare_dataset(dataset)
     data = split_dataset(source, split)

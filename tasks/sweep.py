@@ -105,7 +105,11 @@ def run_trials(data: SplitResult, base: TrainingSpec, sweep: SweepSpec, source: 
     study = optuna.create_study(
         study_name=name, storage=storage, direction="maximize", load_if_exists=True,
         sampler=optuna.samplers.TPESampler(seed=base.seed),
-        pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0))
+        # Epochs are steps 1, 2, ...; Optuna prunes from step n_warmup_steps on.
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=sweep.pruning_startup_trials,
+                                           n_warmup_steps=sweep.pruning_warmup_epochs + 1))
+    if not study.trials and (base_values := sweep.base_trial(base)):
+        study.enqueue_trial(base_values)
     if stale := fail_interrupted(study):
         logger.warning("%d trials of an interrupted run of this sweep were marked failed", stale)
     finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]

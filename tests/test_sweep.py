@@ -33,10 +33,12 @@ def test_a_sweep_prunes_nests_its_runs_and_registers_the_best(prefect_engine, tm
 
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     result = sweep_flow(dataset={"source": "builtin:digits"}, training=SMALL, search_space=SPACE,
-                        n_trials=4, registry={"model_name": "sweep-digits"}, storage=storage)
+                        n_trials=4, registry={"model_name": "sweep-digits"}, storage=storage,
+                        pruning_warmup_epochs=0)  # 3 epochs: judge from the first
     trials = _trials(storage)
     states = [t.state for t in trials]
     assert len(trials) == 4 and TrialState.PRUNED in states and TrialState.COMPLETE in states
+    assert trials[0].params == {"lr": 1e-3}  # the base spec first: never worse than no sweep
     assert result.sweep.trials["PRUNED"] == states.count(TrialState.PRUNED)
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
     assert result.sweep.epochs_not_run == sum(3 - t.user_attrs["epochs_run"] for t in pruned) > 0

@@ -325,6 +325,12 @@ class SweepSpec(Spec):
     n_trials: int = Field(8, ge=1, le=10_000, description="Trials in the study, all runs together.")
     max_concurrency: int = Field(1, ge=1, description="Trials at once (each gets its own GPUs).")
     budget_s: float | None = Field(None, gt=0, description="Start no new trial after this long.")
+    pruning_startup_trials: int = Field(
+        2, ge=0, description="Complete trials before any trial is pruned: the median of one "
+        "trial is that trial's luck.")
+    pruning_warmup_epochs: int = Field(
+        1, ge=0, description="Epochs every trial trains before it may be pruned; a high "
+        "learning rate often looks worst after its first epoch.")
 
     @field_validator("search_space")
     @classmethod
@@ -343,3 +349,15 @@ class SweepSpec(Spec):
                     raise ValueError(f"search_space.{name}: choice {value!r} is not a valid "
                                      f"training.{name}: {e}") from None
         return space
+
+    def base_trial(self, base: TrainingSpec) -> dict:
+        """The base spec's own values that lie in the space: tried first, so that a sweep
+        never ends below not sweeping (on validation accuracy)."""
+        def inside(value, dist: Distribution) -> bool:
+            if dist.choice is not None:
+                return value in dist.choice
+            low, high = dist.log_uniform or dist.uniform or dist.int_range
+            return isinstance(value, int | float) and low <= value <= high
+
+        values = {name: getattr(base, name) for name in self.search_space}
+        return {k: v for k, v in values.items() if inside(v, self.search_space[k])}
