@@ -31,7 +31,7 @@ def run_evaluation(trained: TrainResult, out: Path, logger) -> Evaluation:
     """`accelerate launch -m training.evaluate` on the training's world: same guarantees."""
     args = ["--job", str(trained.output_dir / "job.json"), "--weights", str(trained.weights),
             "--out", str(out)]
-    events = launch(trained.job.training, "training.evaluate", args, out, logger,
+    events = launch(trained.job.training.on_this_machine(), "training.evaluate", args, out, logger,
                     on_event=lambda event: None)
     done = [e for e in events if e["event"] == "done" and e["rank"] == 0]
     if not done or not done[-1]["metrics"]:

@@ -64,10 +64,25 @@ def launch_command(spec: TrainingSpec, module: str, args: list[str], port: int |
                     "--mixed_precision", spec.mixed_precision, "--dynamo_backend", "no",
                     "--num_cpu_threads_per_process", str(threads_per_process(per_machine))]
         if spec.num_machines > 1:
-            command += ["--machine_rank", str(spec.machine_rank),
-                        "--main_process_ip", spec.main_process_ip]
+            command += multi_machine_options(spec)
+        if spec.max_restarts:
+            command += ["--max_restarts", str(spec.max_restarts)]
         command += ["--main_process_port", str(spec.main_process_port or port or free_port())]
     return command + ["-m", module, *args]
+
+
+def multi_machine_options(spec: TrainingSpec) -> list[str]:
+    """torchrun's c10d rendezvous at machine 0, which hosts its store.
+
+    `is_host` is said, not guessed: torch guesses it by resolving the host name, which fails
+    where a machine's name does not resolve to the address the others reach it at.
+    """
+    if not spec.main_process_ip:
+        raise ValueError("a launch on several machines needs training.main_process_ip, the "
+                         "address of machine 0 (the train task finds it when left unset)")
+    conf = f"is_host={int(spec.machine_rank == 0)},join_timeout={spec.rendezvous_timeout_s:.0f}"
+    return ["--machine_rank", str(spec.machine_rank), "--main_process_ip", spec.main_process_ip,
+            "--rdzv_backend", "c10d", "--rdzv_conf", conf]
 
 
 def threads_per_process(processes: int) -> int:
@@ -155,7 +170,7 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
         if proc.returncode != 0:
             if any(mark in line.lower() for line in tail for mark in map(str.lower, PORT_TAKEN)):
                 raise PortTaken("the rendezvous port was taken by another process")
-            raise LaunchFailed(_failure_message(proc.returncode, watch.events))
+            raise LaunchFailed(failure_message(proc.returncode, watch.events))
         return watch.events
     finally:
         kill_tree(proc)
@@ -210,7 +225,7 @@ def _describe(last_seen: dict[int, dict]) -> str:
     return "last progress: " + "; ".join(parts)
 
 
-def _failure_message(returncode: int, events: list[dict]) -> str:
+def failure_message(returncode: int, events: list[dict]) -> str:
     errors = sorted((e for e in events if e["event"] == "error"), key=lambda e: e["time"])
     if not errors:
         return (f"accelerate launch exited with code {returncode} and no rank reported an error "

@@ -49,15 +49,19 @@ def git_commit() -> str:
         return "unknown"
 
 
+# Where and how the launch runs, not what it learns.
+LAUNCH_ONLY = {"main_process_port", "main_process_ip", "machine_rank", "timeout_s",
+               "hang_timeout_s", "heartbeat_steps", "num_processes", "node_deployment",
+               "node_work_queue", "rendezvous_timeout_s", "max_restarts"}
+
+
 def spec_hash(training: TrainingSpec, split: SplitSpec) -> str:
     """What makes two trainings the same, for skipping a retrain on unchanged inputs.
 
     The batch size is per process, so the world size (processes x machines) counts: changing
     it changes the effective batch and the model.
     """
-    text = training.model_dump_json(exclude={"main_process_port", "main_process_ip",
-                                             "machine_rank", "timeout_s", "hang_timeout_s",
-                                             "heartbeat_steps", "num_processes"})
+    text = training.model_dump_json(exclude=LAUNCH_ONLY)
     world = training.resolved_num_processes() * training.num_machines
     return hashlib.sha256(f"{text}|{split.model_dump_json()}|world={world}".encode()
                           ).hexdigest()[:16]

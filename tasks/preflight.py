@@ -67,6 +67,8 @@ def check_training(training: TrainingSpec) -> None:
     if not gpus and training.mixed_precision == "fp16":
         raise PreflightError('mixed_precision="fp16" needs a CUDA GPU; on this machine use '
                              '"bf16" or "no"')
+    if training.num_machines > 1:
+        check_machines(training)
     if training.pretrained:
         from training.models.build import pretrained_weights_file
 
@@ -75,6 +77,19 @@ def check_training(training: TrainingSpec) -> None:
             raise PreflightError(f"pretrained weights for {training.model} are not in the torch "
                                  f"cache: expected {path}; copy them there or set "
                                  "training.pretrained=false")
+
+
+def check_machines(training: TrainingSpec) -> None:
+    """A worker ready for every machine's node, before the dataset is even downloaded."""
+    from prefect import get_client
+
+    from tasks.nodes import NodesUnavailable, check_workers
+
+    with get_client(sync_client=True) as client:
+        try:
+            check_workers(client, training)
+        except NodesUnavailable as e:
+            raise PreflightError(str(e)) from None
 
 
 @task

@@ -27,14 +27,16 @@ def write_job(job: TrainJob) -> Path:
 def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda event: None,
                  extra_env: dict[str, str] | None = None, mlflow_run_id: str | None = None,
                  tracking_uri: str | None = None) -> TrainResult:
-    """Launch training for `job` and return what it produced. Usable without Prefect.
+    """Launch training for `job` and return what it produced. Usable without Prefect on one
+    machine; on several (tasks/nodes.py) each machine's launch is a Prefect flow run.
 
     This process logs the run's params and per-epoch metrics to MLflow from the events rank 0
     reports (tasks/mlflow_logging.py says why not the ranks).
     """
     tracker = EpochLogger(mlflow_run_id, tracking_uri, on_error=lambda message: logger.warning(
         "MLflow logging failed (training went on): %s", message))
-    args = ["--job", str(write_job(job))] + (["--resume"] if resume else [])
+    job_file = write_job(job)
+    args = ["--job", str(job_file)] + (["--resume"] if resume else [])
 
     def on_event(event: dict) -> None:
         kind, main = event["event"], event["rank"] == 0
@@ -53,8 +55,14 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
 
     monitor = system_metrics(mlflow_run_id, tracking_uri)
     try:
-        events = launch(job.training, "training.train", args, job.output_dir, logger, on_event,
-                        extra_env)
+        if job.training.num_machines > 1:
+            from tasks.nodes import launch_nodes  # needs a Prefect server and its workers
+
+            events = launch_nodes(job.training, job_file, job.output_dir, resume, logger,
+                                  on_event)
+        else:
+            events = launch(job.training, "training.train", args, job.output_dir, logger,
+                            on_event, extra_env)
     finally:
         if monitor is not None:
             monitor.finish()

@@ -38,7 +38,8 @@ def test_kaggle_sources_are_parsed():
     (TrainingSpec, {"model": "resnet-18"}, "unknown model 'resnet-18'"),
     (TrainingSpec, {"optimizer": "adagrad"}, "unknown optimizer 'adagrad'; use one of adam"),
     (TrainingSpec, {"mixed_precision": "fp8"}, "'no', 'fp16' or 'bf16'"),
-    (TrainingSpec, {"num_machines": 2}, "main_process_ip"),
+    (TrainingSpec, {"num_machines": 2, "machine_rank": 2}, "must be below"),
+    (TrainingSpec, {"node_work_queue": "gpu-{rank}"}, "{machine_rank}"),
     (TrainingSpec, {"batch_sise": 3}, "Extra inputs are not permitted"),
 ])
 def test_bad_values_name_the_problem(model, fields, needle):

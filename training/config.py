@@ -196,10 +196,26 @@ class TrainingSpec(Spec):
     )
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
     seed: int = 42
-    num_machines: int = Field(1, ge=1)
-    machine_rank: int = Field(0, ge=0)
-    main_process_ip: str | None = None
+    num_machines: int = Field(
+        1, ge=1, description="Machines to train on. Above 1, the train task starts one "
+        "train-node flow run per machine through the work pool (README: Beyond one machine).")
+    machine_rank: int = Field(0, ge=0, description="This machine's place; set per node by the "
+                              "train task, by hand only for a bare `accelerate launch`.")
+    main_process_ip: str | None = Field(
+        None, description="Address of machine 0 that the others join; None: machine 0 finds "
+        "and reports its own.")
     main_process_port: int | None = Field(None, ge=1, le=65535, description="None: a free port.")
+    node_deployment: str = Field(
+        "train-node/nodes", description="The deployment that runs one machine's launch.")
+    node_work_queue: str = Field(
+        "machine-{machine_rank}", description="Work queue of each node's run; one queue per "
+        "machine (one worker each) places every node on its own machine. Without "
+        "{machine_rank}, all nodes share one queue (e.g. Kubernetes, which places the pods).")
+    rendezvous_timeout_s: float = Field(
+        120, gt=0, description="How long the machines wait for each other to start and join.")
+    max_restarts: int = Field(
+        0, ge=0, description="Elastic restarts of every rank after a failure (torchrun's "
+        "--max_restarts); each restart resumes from the last checkpoint.")
     accelerate_config_file: str | None = Field(
         None, description="An accelerate config file; replaces the launch options above."
     )
@@ -233,6 +249,19 @@ class TrainingSpec(Spec):
             raise ValueError(f'training.num_processes must be at least 1 or "auto", got {n}')
         return n
 
+    @field_validator("node_work_queue")
+    @classmethod
+    def _queue_template(cls, name: str) -> str:
+        try:
+            name.format(machine_rank=0)
+        except (KeyError, IndexError, ValueError):
+            raise ValueError(f"training.node_work_queue {name!r} may use only {{machine_rank}}, "
+                             'e.g. "machine-{machine_rank}"') from None
+        return name
+
+    def node_queue(self, machine_rank: int) -> str:
+        return self.node_work_queue.format(machine_rank=machine_rank)
+
     @model_validator(mode="after")
     def _consistent(self) -> TrainingSpec:
         if self.warmup_epochs >= self.epochs and self.warmup_epochs > 0:
@@ -252,12 +281,12 @@ class TrainingSpec(Spec):
                 f"training.machine_rank {self.machine_rank} must be below "
                 f"training.num_machines {self.num_machines}"
             )
-        if self.num_machines > 1 and not self.main_process_ip and not self.accelerate_config_file:
-            raise ValueError(
-                "training.num_machines > 1 needs training.main_process_ip (the address of "
-                'machine rank 0), e.g. main_process_ip="10.0.0.1"'
-            )
         return self
+
+    def on_this_machine(self) -> TrainingSpec:
+        """The same spec for a launch on this machine alone (evaluation, scoring)."""
+        return self.model_copy(update={"num_machines": 1, "machine_rank": 0,
+                                       "main_process_ip": None, "main_process_port": None})
 
     def resolved_num_processes(self) -> int:
         """Processes on this machine, with "auto" decided by the hardware that is here."""
@@ -290,6 +319,7 @@ class RegistrySpec(Spec):
 # Fields a sweep may vary: the recipe, not where or how the launch runs.
 SEARCHABLE = frozenset(TrainingSpec.model_fields) - {
     "num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
+    "node_deployment", "node_work_queue", "rendezvous_timeout_s", "max_restarts",
     "accelerate_config_file", "timeout_s", "hang_timeout_s", "heartbeat_steps", "epochs"}
 
 

@@ -24,10 +24,10 @@ import psutil
 TERMINATE_GRACE_S = 5.0
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on now; a caller that binds it later must handle a lost race."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -73,7 +73,9 @@ def start_rank(accelerator, output_dir: Path) -> tuple[Rank, ProgressWriter]:
     rank = Rank.of(accelerator)
     progress = ProgressWriter(output_dir, rank.index)
     progress.emit("start", world_size=rank.world, device=str(accelerator.device),
-                  pid=os.getpid(), threads=torch.get_num_threads())
+                  pid=os.getpid(), threads=torch.get_num_threads(),
+                  # the address its machine joined the rendezvous with (several machines)
+                  address=os.environ.get("PET_LOCAL_ADDR"))
     return rank, progress
 
 

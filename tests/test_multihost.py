@@ -1,0 +1,182 @@
+"""One flow run trains across two real network hosts (namespaces), placed by Prefect workers.
+
+The flow runs here, in the root namespace, like a train-flow run on any worker; each host's
+worker takes its own node's flow run from its own work queue; the ranks rendezvous over the
+virtual link with c10d. Skipped, with the reason, where namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.hosts import namespaces_possible, two_hosts
+from training.engine.progress import ProgressReader
+
+WHY_NOT = namespaces_possible()
+pytestmark = [pytest.mark.slow, pytest.mark.multihost,
+              pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
+# Slow steps (0.2 s each) make an epoch last seconds, so a node can be killed mid-epoch.
+TWO_HOSTS = {"epochs": 3, "image_size": 12, "batch_size": 32, "num_processes": 2,
+             "num_machines": 2, "hang_timeout_s": 60, "rendezvous_timeout_s": 60}
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hosts")
+    home = folder / "home"
+    with two_hosts(folder, {"TRAINFLOW_HOME": str(home), "TRAINFLOW_FAULT": "slow:step=0.2",
+                            "OMP_NUM_THREADS": "1"}) as made:
+        made.env["TRAINFLOW_HOME"] = str(home)
+        yield made
+
+
+@pytest.fixture
+def on_hosts(hosts, monkeypatch):
+    """This test's flow talks to the hosts' Prefect server and shares their home folder."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    monkeypatch.setenv("TRAINFLOW_HOME", hosts.env["TRAINFLOW_HOME"])
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with temporary_settings({PREFECT_API_URL: hosts.api}):
+        yield hosts
+
+
+def _node_runs(hosts):
+    from prefect import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("train-node/nodes")
+        return client.read_flow_runs(deployment_filter=DeploymentFilter(
+            id=DeploymentFilterId(any_=[deployment.id])))
+
+
+def _training_processes(hosts) -> list[int]:
+    left = []
+    for host in range(len(hosts.names)):
+        for pid in hosts.pids(host):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if b"training.train" in cmdline or b"accelerate.commands.launch" in cmdline:
+                left.append(pid)
+    return left
+
+
+def _kill_launch_on(hosts, host: int) -> int:
+    for pid in hosts.pids(host):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"accelerate.commands.launch" in f.read():
+                os.kill(pid, signal.SIGKILL)
+                return pid
+    raise AssertionError(f"no launch running on host {host}")
+
+
+def test_one_flow_run_trains_on_two_hosts_and_a_killed_node_resumes_on_both(on_hosts):
+    from mlflow import MlflowClient
+
+    from flows.train_flow import train_flow
+    from training.storage import home, tracking_uri
+
+    hosts = on_hosts
+    received_before = hosts.received_bytes(1)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = train_flow(dataset={"source": "builtin:digits"},
+                                           training=TWO_HOSTS, force=True,
+                                           registry={"model_name": "two-hosts"})
+        except BaseException as e:
+            outcome["error"] = e
+
+    # The thread runs in this context: Prefect's settings (the hosts' server) are context vars.
+    flow = threading.Thread(target=contextvars.copy_context().run, args=(run,))
+    flow.start()
+    killed = None
+    deadline = time.monotonic() + 400
+    while killed is None and flow.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+        for progress in (home() / "runs").glob("*/train/progress/rank0.jsonl"):
+            events = ProgressReader(progress.parent.parent).poll()
+            if any(e["event"] == "epoch" and e["epoch"] == 1 for e in events):
+                killed, killed_at = _kill_launch_on(hosts, 1), time.time()  # in epoch 2
+                break
+    assert killed, "the training never finished its first epoch on two hosts"
+    flow.join(600)
+    assert "error" not in outcome, repr(outcome.get("error"))
+    result = outcome["result"]
+
+    assert result.trained.world_size == 4
+    events = ProgressReader(result.trained.job.output_dir).poll()
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert resumed and resumed[-1]["epoch"] >= 1  # the retry went on from a checkpoint
+    retried = Counter(e["address"] for e in events if e["event"] == "start"
+                      and e["time"] > killed_at)  # two ranks on each host, again
+    assert retried == Counter({hosts.addresses[0]: 2, hosts.addresses[1]: 2}), retried
+    assert hosts.received_bytes(1) - received_before > 100_000  # gradients crossed the link
+
+    client = MlflowClient(tracking_uri())
+    assert [str(v.version) for v in client.search_model_versions("name='two-hosts'")] == ["1"]
+    assert result.registration.version == "1"
+    node_states = Counter(r.state.type.value for r in _node_runs(hosts))
+    assert node_states["COMPLETED"] == 2 and sum(node_states.values()) == 4, node_states
+    deadline = time.monotonic() + 30
+    while _training_processes(hosts) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _training_processes(hosts) == []
+
+
+def test_more_machines_than_workers_is_refused_before_any_work(on_hosts):
+    from flows.train_flow import train_flow
+    from tasks.preflight import PreflightError
+
+    started = time.monotonic()
+    with pytest.raises(PreflightError, match=r"none polls \['machine-2'\]"):
+        train_flow(dataset={"source": "builtin:digits"},
+                   training={**TWO_HOSTS, "num_machines": 3}, force=True)
+    assert time.monotonic() - started < 60
+
+
+def test_a_taken_port_on_machine_0_fails_in_seconds_with_its_reason(on_hosts):
+    from flows.train_flow import train_flow
+
+    hosts = on_hosts
+    port = 29555
+    listener = subprocess.Popen(
+        ["ip", "netns", "exec", hosts.names[0], "python3", "-c",
+         f"import socket,time; s=socket.socket(); s.bind(('0.0.0.0', {port})); s.listen(); "
+         "time.sleep(600)"])
+    try:
+        time.sleep(1)
+        started = time.monotonic()
+        with pytest.raises(Exception, match=f"port {port} on machine 0 .* is taken"):
+            train_flow(dataset={"source": "builtin:digits"}, force=True,
+                       training={**TWO_HOSTS, "main_process_port": port})
+        assert time.monotonic() - started < 180  # two attempts, not torch's 600 s timeouts
+    finally:
+        listener.kill()
+
+
+def test_machine_0_that_is_not_there_is_named(on_hosts):
+    from tasks.network import NetworkProblem, wait_reachable
+
+    hosts = on_hosts
+    nobody = hosts.addresses[0].rsplit(".", 1)[0] + ".250"
+    with pytest.raises(NetworkProblem, match=f"machine 0 at {nobody}:29500 cannot be reached"):
+        wait_reachable(nobody, 29500, timeout_s=5)
+    with socket.socket() as s:
+        s.bind((hosts.gateway, 0))  # an address that answers, with nobody listening yet
+        s.listen()
+        wait_reachable(hosts.gateway, s.getsockname()[1], timeout_s=5)
