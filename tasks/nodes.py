@@ -83,14 +83,9 @@ def check_workers(client, spec: TrainingSpec) -> None:
             f"deployment {spec.node_deployment!r}, which does not exist: run `prefect deploy "
             "--name nodes` from the repository root (prefect.yaml)") from None
     pool = deployment.work_pool_name
+    # One queue for all nodes (Kubernetes): one worker starts every pod and the cluster's
+    # scheduler places them, so a polled queue is all that can be checked here.
     queues = sorted({spec.node_queue(rank) for rank in range(spec.num_machines)})
-    if len(queues) == 1:
-        online = [w for w in client.read_workers_for_work_pool(pool) if w.status == "ONLINE"]
-        if len(online) < spec.num_machines:
-            raise NodesUnavailable(
-                f"training.num_machines={spec.num_machines} but only {len(online)} workers of "
-                f"pool {pool!r} are online; start one per machine")
-        return
     idle = []
     for queue in queues:
         try:

@@ -149,17 +149,17 @@ def test_two_trainings_at_once_do_not_clash(digits_split, tmp_path):
 
 
 def test_two_machines_on_loopback_train_one_job(digits_split, tmp_path):
-    """Two `accelerate launch` invocations, machine ranks 0 and 1, one process each."""
+    """Two bare `accelerate launch` invocations, machine ranks 0 and 1, one process each,
+    join by c10d rendezvous and train one job in one (shared) run folder."""
     port = free_port()
-    results, errors = {}, []
+    events, errors = {}, []
 
     def machine(rank):
-        # Each "machine" has its own disk: its own output folder.
-        job = _job(digits_split, tmp_path, f"machine{rank}", epochs=1, num_processes=1,
+        job = _job(digits_split, tmp_path, "shared", epochs=1, num_processes=1,
                    num_machines=2, machine_rank=rank, main_process_ip="127.0.0.1",
                    main_process_port=port)
         try:
-            results[rank] = run_training(job, LOG) if rank == 0 else _bare_launch(job)
+            events[rank] = _bare_launch(job)
         except BaseException as e:
             errors.append(e)
 
@@ -169,10 +169,10 @@ def test_two_machines_on_loopback_train_one_job(digits_split, tmp_path):
     for t in threads:
         t.join(300)
     assert errors == []
-    assert results[0].world_size == 2
-    worker_starts = [e for e in ProgressReader(tmp_path / "machine1").poll()
-                     if e["event"] == "start"]
-    assert [(e["rank"], e["world_size"]) for e in worker_starts] == [(1, 2)]
+    seen = ProgressReader(tmp_path / "shared").poll()
+    assert sorted((e["rank"], e["world_size"]) for e in seen if e["event"] == "start") == [
+        (0, 2), (1, 2)]
+    assert [e["world_size"] for e in seen if e["event"] == "done" and e["rank"] == 0] == [2]
 
 
 def _bare_launch(job, *options, env=None):

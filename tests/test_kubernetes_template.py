@@ -1,0 +1,42 @@
+"""The Kubernetes work pool template renders, through prefect-kubernetes' own worker code,
+into the Job a train-node run would get: GPUs requested, the shared home mounted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from uuid import uuid4
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes" / "base-job-template.json"
+
+
+def _render(values: dict) -> dict:
+    from prefect.client.schemas.objects import FlowRun
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    template = json.loads(TEMPLATE.read_text())
+    config = asyncio.run(KubernetesWorkerJobConfiguration.from_template_and_values(
+        template, values))
+    config.prepare_for_flow_run(FlowRun(flow_id=uuid4(), name="train-node-run"))
+    return config.job_manifest
+
+
+def test_a_node_job_requests_gpus_and_mounts_the_shared_home(prefect_engine):
+    manifest = _render({"image": "registry.example/trainflow:1", "gpus": 8,
+                        "home_claim": "team-home"})
+    pod = manifest["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["image"] == "registry.example/trainflow:1"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/trainflow"]]["persistentVolumeClaim"]["claimName"] == "team-home"
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["TRAINFLOW_HOME"] == "/trainflow" and "PREFECT__FLOW_RUN_ID" in env
+
+
+def test_defaults_render_a_one_gpu_job(prefect_engine):
+    [container] = _render({})["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
