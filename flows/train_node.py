@@ -15,6 +15,7 @@ from tasks.nodes import launch_node
 
 
 @flow(name="train-node")
-def train_node(job_file: Path, machine_rank: int, main_process_ip: str | None = None,
-               main_process_port: int | None = None, resume: bool = True) -> int:
-    return launch_node(job_file, machine_rank, main_process_ip, main_process_port, resume)
+def train_node(job_file: Path, machine_rank: int, resume: bool = True,
+               machine_0_run: str | None = None) -> int:
+    """`machine_0_run`: the flow run of machine 0, where machines 1.. read its address."""
+    return launch_node(job_file, machine_rank, resume, machine_0_run)

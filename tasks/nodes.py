@@ -61,13 +61,11 @@ def launch_nodes(spec: TrainingSpec, job_file: Path, output_dir: Path, resume: b
     with get_client(sync_client=True) as client:
         check_workers(client, spec)
         try:
-            runs[0] = submit(spec, job_file, 0, spec.main_process_ip, spec.main_process_port,
-                             resume)
-            address, port = wait_for_address(client, runs[0], spec)
-            logger.info("machine 0 is at %s:%s; starting machines 1-%d", address, port,
-                        spec.num_machines - 1)
+            # All at once: the others start their interpreters while machine 0 finds its
+            # address, then read it from machine 0's run.
+            runs[0] = submit(spec, job_file, 0, resume)
             for rank in range(1, spec.num_machines):
-                runs[rank] = submit(spec, job_file, rank, address, port, resume)
+                runs[rank] = submit(spec, job_file, rank, resume, machine_0_run=runs[0])
             return watch(client, runs, reader, spec, on_event)
         finally:
             cancel_unfinished(client, runs, logger)
@@ -102,16 +100,19 @@ def check_workers(client, spec: TrainingSpec) -> None:
             "(with its own rank), or lower training.num_machines")
 
 
-def submit(spec: TrainingSpec, job_file: Path, rank: int, address: str | None,
-           port: int | None, resume: bool) -> UUID:
+def submit(spec: TrainingSpec, job_file: Path, rank: int, resume: bool,
+           machine_0_run: UUID | None = None) -> UUID:
     run = run_deployment(
         spec.node_deployment, timeout=0, work_queue_name=spec.node_queue(rank),
-        parameters={"job_file": str(job_file), "machine_rank": rank,
-                    "main_process_ip": address, "main_process_port": port, "resume": resume})
+        parameters={"job_file": str(job_file), "machine_rank": rank, "resume": resume,
+                    "machine_0_run": str(machine_0_run) if machine_0_run else None})
     return run.id
 
 
-def wait_for_address(client, run_id: UUID, spec: TrainingSpec) -> tuple[str, int]:
+def wait_for_address(client, run_id: UUID | str, spec: TrainingSpec) -> tuple[str, int]:
+    """Machine 0's address, from the artifact its run publishes (a configured one wins)."""
+    if spec.main_process_ip and spec.main_process_port:
+        return spec.main_process_ip, spec.main_process_port
     deadline = time.monotonic() + NODE_STARTUP_S + spec.rendezvous_timeout_s
     only_it = FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
     while time.monotonic() < deadline:
@@ -195,21 +196,22 @@ def api_host() -> str:
 
 
 @task(task_run_name="machine-{machine_rank}")
-def launch_node(job_file: Path, machine_rank: int, main_process_ip: str | None,
-                main_process_port: int | None, resume: bool) -> int:
+def launch_node(job_file: Path, machine_rank: int, resume: bool,
+                machine_0_run: str | None) -> int:
     """This machine's `accelerate launch`; returns how many ranks started here."""
     logger = run_logger()
     job = read_job(job_file, machine_rank)
     spec = job.training
     if machine_rank == 0:
         # The address on the route to the Prefect server: a network every worker reaches.
-        address = main_process_ip or address_towards(api_host())
-        port = main_process_port or free_port(address)
+        address = spec.main_process_ip or address_towards(api_host())
+        port = spec.main_process_port or free_port(address)
         check_main_address(address, port)
         create_table_artifact([{"address": address, "port": port}], description=RENDEZVOUS)
         local = address
     else:
-        address, port = main_process_ip, main_process_port
+        with get_client(sync_client=True) as client:
+            address, port = wait_for_address(client, machine_0_run, spec)
         wait_reachable(address, port, spec.rendezvous_timeout_s)
         local = address_towards(address)
     logger.info("machine %d at %s joins the rendezvous at %s:%s", machine_rank, local, address,
