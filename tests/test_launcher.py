@@ -44,3 +44,21 @@ def test_a_taken_port_the_user_chose_is_an_error(tmp_path, monkeypatch):
     with pytest.raises(launcher.PortTaken):
         launcher.launch(TrainingSpec(main_process_port=29555), "training.train", [], tmp_path,
                         LOG, lambda event: None)
+
+
+def test_a_machine_of_several_joins_by_c10d_and_only_machine_0_hosts_the_store():
+    def options(**fields) -> list[str]:
+        spec = TrainingSpec(num_processes=2, num_machines=2, main_process_ip="10.0.0.5",
+                            main_process_port=29555, rendezvous_timeout_s=45, **fields)
+        command = launcher.launch_command(spec, "training.train", [])
+        return command[command.index("--num_processes"):command.index("-m", 3)]
+
+    zero, one = options(machine_rank=0), options(machine_rank=1, max_restarts=2)
+    assert zero[zero.index("--num_processes") + 1] == "4"  # processes of all machines
+    assert zero[zero.index("--rdzv_backend") + 1] == "c10d"
+    assert zero[zero.index("--rdzv_conf") + 1] == "is_host=1,join_timeout=45"
+    assert one[one.index("--rdzv_conf") + 1] == "is_host=0,join_timeout=45"
+    assert one[one.index("--machine_rank") + 1] == "1"
+    assert one[one.index("--max_restarts") + 1] == "2" and "--max_restarts" not in zero
+    with pytest.raises(ValueError, match="needs training.main_process_ip"):
+        launcher.launch_command(TrainingSpec(num_machines=2), "training.train", [])
