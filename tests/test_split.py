@@ -102,3 +102,32 @@ def test_one_class_and_tiny_classes_are_refused(tmp_path, home):
     write_filename_layout(tmp_path / "tiny", {"cat": 20, "dog": 3})
     with pytest.raises(DatasetError, match="class 'dog' has 3 readable images.*at least 6"):
         _split(tmp_path / "tiny", home)
+
+
+@pytest.mark.parametrize("kept", [0.5, 0.9, 0.99])
+def test_a_jpeg_cut_anywhere_is_caught_by_the_reduced_scale_check(tmp_path, kept):
+    """The check decodes JPEG pixels at 1/8 scale; every compressed byte is still read."""
+    from training.data.images import check_image
+
+    Image.effect_noise((400, 300), 60).convert("RGB").save(tmp_path / "whole.jpg", quality=95)
+    data = (tmp_path / "whole.jpg").read_bytes()
+    (tmp_path / "cut.jpg").write_bytes(data[: int(len(data) * kept)])
+    assert check_image(tmp_path, "whole.jpg").ok
+    verdict = check_image(tmp_path, "cut.jpg")
+    assert not verdict.ok and "truncated" in verdict.reason
+
+
+def test_only_the_newest_two_dataset_versions_keep_their_decode_caches(tmp_path, home):
+    from training.data.cache import decode_split
+
+    folder = tmp_path / "d"
+    write_filename_layout(folder, {"cat": 20, "dog": 20})
+    versions = []
+    for grow in range(3):
+        if grow:
+            write_filename_layout(folder, {"cat": 5, "dog": 5}, start=20 + 5 * grow)
+        result = _split(folder, home)
+        decode_split(result, "test", 12, 3)  # what a training on this version writes
+        versions.append(result.manifest.parent)
+    assert [(v / "cache").exists() for v in versions] == [False, True, True]
+    assert all((v / "manifest.csv").is_file() for v in versions)  # history stays

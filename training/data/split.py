@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +28,7 @@ from training.storage import write_json_atomic, write_text_atomic
 
 SPLITS = ("train", "val", "test")
 MAX_UNREADABLE = 0.05
+CACHED_VERSIONS = 2  # dataset versions per split whose decode caches are kept
 
 
 def split_key(ref: DatasetRef, spec: SplitSpec) -> str:
@@ -93,7 +95,23 @@ def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path) -> SplitResult:
         root=ref.root,
     )
     write_json_atomic(out / "summary.json", result.model_dump(mode="json"))
+    prune_old_caches(folder, keep=out)
     return result
+
+
+def prune_old_caches(folder: Path, keep: Path, versions: int = CACHED_VERSIONS) -> list[Path]:
+    """Remove the decode caches of all but the newest `versions` dataset versions of a split.
+
+    Each cache is the dataset again at its sizes (25,000 photos at 224 px: about 4 GB), and a
+    new version never reads an old one's; manifests and ledgers stay. A training still on an
+    old version keeps its memory map, or rebuilds the cache if it had not opened it yet.
+    """
+    others = sorted((p for p in folder.glob("*/cache") if p.parent != keep),
+                    key=lambda p: p.stat().st_mtime, reverse=True)
+    removed = others[versions - 1:]
+    for cache in removed:
+        shutil.rmtree(cache, ignore_errors=True)
+    return removed
 
 
 def _check_class_sizes(ref: DatasetRef, by_class: dict[str, list[str]], spec: SplitSpec) -> None:
