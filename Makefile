@@ -10,7 +10,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_TELEMETRY_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 
-.PHONY: install demo test test-fast lint services stop bench bench-quality clean
+.PHONY: install demo test test-fast lint services stop bench bench-quality bench-scale clean
 
 install: $(VENV)/.installed
 
@@ -48,6 +48,11 @@ bench: install
 
 bench-quality: install
 	$(PY) -m bench.quality
+
+# 25,000 generated photos (made once, cached in ~/.cache/trainflow-bench): data stages, then
+# the whole flow against the tutorial-style script, 2 epochs
+bench-scale: install
+	$(PY) -m bench.scale --images 25000 --pairs 1 --train --epochs 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

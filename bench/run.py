@@ -91,9 +91,13 @@ def launch(kind: str, job: TrainJob, processes: int, folder: Path, cold: bool = 
     return {"wall": wall, "startup": first - started, "peak_rank_mb": peaks.get("rank", 0) / 2**20,
             "peak_total_mb": peaks.get("total", 0) / 2**20,
             "epoch1_ips": epochs[0]["images_per_second"],
-            "later_ips": statistics.median(e["images_per_second"] for e in epochs[1:]),
+            "later_ips": _median_or_nan([e["images_per_second"] for e in epochs[1:]]),
             "epoch1_s": epochs[0]["epoch_seconds"],
-            "later_s": statistics.median(e["epoch_seconds"] for e in epochs[1:])}
+            "later_s": _median_or_nan([e["epoch_seconds"] for e in epochs[1:]])}
+
+
+def _median_or_nan(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
 
 
 def datasets(home: Path, per_class: int) -> dict[str, Path]:

@@ -1,0 +1,161 @@
+"""Flagship scale: a dogs-vs-cats-sized set of generated photos through the data stages, and
+(with --train) the whole flow against the tutorial-style script.
+
+    python -m bench.scale --images 25000 --pairs 2            # data stages only
+    python -m bench.scale --images 25000 --pairs 1 --train    # (make bench-scale)
+
+The photos (bench/make_photos.py, 256-500 px JPEGs, two classes) are generated once into
+~/.cache/trainflow-bench/ and reused. Runs alternate within one invocation; medians.
+
+Data stages, each from a fresh home: one full decode of every image on all cores (the
+yardstick), the split's integrity check as it was (full-scale decode) and as it is (JPEG
+pixels at 1/8 scale), and the decode caches a 64 px training builds (train, val, test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from PIL import Image
+
+CACHE = Path.home() / ".cache" / "trainflow-bench"
+SIZE = 64
+
+
+def photos(images: int) -> Path:
+    from bench.make_photos import make
+
+    folder = CACHE / f"photos-{images}"
+    if not (folder / ".complete").exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        started = time.perf_counter()
+        make(folder / "train", images // 2)
+        (folder / ".complete").write_text(f"{time.perf_counter() - started:.0f} s to make\n")
+    return folder / "train"
+
+
+def on_all_cores(work, items) -> float:
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(work, items))
+    return time.perf_counter() - started
+
+
+def full_decode(path: Path) -> None:
+    with Image.open(path) as img:
+        img.load()
+
+
+def data_stages(root: Path, pairs: int) -> list[str]:
+    from training.config import DatasetSpec, SplitSpec
+    from training.data.cache import decode_split
+    from training.data.images import open_image
+    from training.data.sources import prepare
+    from training.data.split import split_dataset
+
+    files = sorted(root.iterdir())
+    times: dict[str, list[float]] = {"full": [], "old_check": [], "split": [], "caches": []}
+    cache_bytes = 0
+    for _ in range(pairs):
+        home = Path(tempfile.mkdtemp(prefix="trainflow-bench-scale-"))
+        try:
+            times["full"].append(on_all_cores(full_decode, files))
+            times["old_check"].append(on_all_cores(lambda p: open_image(p, 3), files))
+            ref = prepare(DatasetSpec(source=str(root.parent), labels="filename",
+                                      subdir="train"), home)
+            started = time.perf_counter()
+            split = split_dataset(ref, SplitSpec(val_fraction=0.2, test_fraction=0.1), home)
+            times["split"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            for name in ("train", "val", "test"):
+                decode_split(split, name, SIZE, 3)
+            times["caches"].append(time.perf_counter() - started)
+            cache_bytes = sum(f.stat().st_size for f in (split.manifest.parent / "cache").iterdir())
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    runs = {k: ", ".join(f"{t:.1f}" for t in v) for k, v in times.items()}
+    now, before = med["split"] + med["caches"], med["old_check"] + med["caches"]
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rows = {"full": "one full decode of every image, all cores (yardstick)",
+            "old_check": "split check as it was (full-scale decode), all cores",
+            "split": "split as it is (check at 1/8 JPEG scale, assignment, manifest)",
+            "caches": f"decode caches for a {SIZE} px training (train, val, test)"}
+    return [
+        f"{len(files)} JPEGs, {os.cpu_count()} cores, medians of {pairs} (runs)", "",
+        "| stage | s |", "|---|---|",
+        *(f"| {label} | {med[key]:.1f} ({runs[key]}) |" for key, label in rows.items()),
+        "", f"- split + caches: now {now:.1f} s = **{now / med['full']:.2f}x** one full decode "
+        f"(before {before:.1f} s = {before / med['full']:.2f}x); target 1.2x",
+        f"- cache on disk: {cache_bytes / 2**20:.0f} MB at {SIZE} px; peak resident memory of "
+        f"this process {peak_mb:.0f} MB"]
+
+
+def train_side_by_side(root: Path, pairs: int, epochs: int) -> list[str]:
+    """The whole flow (prepare -> register) against the tutorial-style script, alternated."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from bench.run import launch
+    from flows.train_flow import train_flow
+    from training.config import DatasetSpec, SplitSpec
+    from training.data.sources import prepare
+    from training.data.split import split_dataset
+    from training.handoff import TrainJob
+
+    training = {"model": "resnet18", "image_size": SIZE, "batch_size": 64, "epochs": epochs,
+                "num_processes": 2}
+    dataset = {"source": str(root.parent), "labels": "filename", "subdir": "train"}
+    walls: dict[str, list[float]] = {"flow": [], "baseline": []}
+    for _ in range(pairs):
+        home = Path(tempfile.mkdtemp(prefix="trainflow-bench-scale-"))
+        os.environ["TRAINFLOW_HOME"] = str(home)
+        try:
+            with prefect_test_harness(server_startup_timeout=120):
+                started = time.perf_counter()
+                train_flow(dataset=dataset, training=training, force=True,
+                           split={"val_fraction": 0.2, "test_fraction": 0.1},
+                           registry={"model_name": "scale"})
+                walls["flow"].append(time.perf_counter() - started)
+            split = split_dataset(prepare(DatasetSpec(**dataset), home),
+                                  SplitSpec(val_fraction=0.2, test_fraction=0.1), home)
+            job = TrainJob(split=split, training=training, output_dir=home / "baseline")
+            walls["baseline"].append(launch("baseline", job, 2, home / "baseline")["wall"])
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+    f, b = statistics.median(walls["flow"]), statistics.median(walls["baseline"])
+    return ["", f"resnet18 {SIZE} px, {epochs} epochs, 2 processes, medians of {pairs}", "",
+            "| run | wall s (runs) |", "|---|---|",
+            f"| whole flow: prepare, split, train, evaluate, register | {f:.0f} "
+            f"({', '.join(f'{t:.0f}' for t in walls['flow'])}) |",
+            f"| tutorial-style script: train only (data already split) | {b:.0f} "
+            f"({', '.join(f'{t:.0f}' for t in walls['baseline'])}) |",
+            "", f"- flow / script: **{f / b:.2f}x**"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--images", type=int, default=25000)
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--train", action="store_true")
+    parser.add_argument("--epochs", type=int, default=2)
+    args = parser.parse_args()
+    logging.disable(logging.INFO)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    root = photos(args.images)
+    lines = data_stages(root, args.pairs)
+    print("\n".join(lines), flush=True)
+    if args.train:
+        print("\n".join(train_side_by_side(root, args.pairs, args.epochs)))
+
+
+if __name__ == "__main__":
+    main()
