@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from tasks import run_logger
 from tasks.launcher import launch
+from tasks.train import evaluation_dir
 from training.evaluation.plots import training_curves_png
 from training.handoff import TrainResult
 from training.storage import tracking_uri
@@ -28,7 +29,13 @@ class Evaluation(BaseModel):
 
 
 def run_evaluation(trained: TrainResult, out: Path, logger) -> Evaluation:
-    """`accelerate launch -m training.evaluate` on the training's world: same guarantees."""
+    """`accelerate launch -m training.evaluate` on the training's world: same guarantees.
+
+    Not needed when the training launch evaluated already (train_model asks it to).
+    """
+    if trained.test_metrics is not None and trained.test_dir == out:
+        logger.info("the training launch evaluated the best weights on the test split")
+        return _evaluation(trained.test_metrics, out)
     args = ["--job", str(trained.output_dir / "job.json"), "--weights", str(trained.weights),
             "--out", str(out)]
     events = launch(trained.job.training.on_this_machine(), "training.evaluate", args, out, logger,
@@ -36,7 +43,10 @@ def run_evaluation(trained: TrainResult, out: Path, logger) -> Evaluation:
     done = [e for e in events if e["event"] == "done" and e["rank"] == 0]
     if not done or not done[-1]["metrics"]:
         raise RuntimeError("evaluation exited cleanly but rank 0 reported no metrics")
-    metrics = done[-1]["metrics"]
+    return _evaluation(done[-1]["metrics"], out)
+
+
+def _evaluation(metrics: dict, out: Path) -> Evaluation:
     return Evaluation(metrics={k: v for k, v in metrics.items() if isinstance(v, float)},
                       per_class=metrics["per_class"], images=metrics["images"], output_dir=out,
                       predictions=out / "predictions.csv")
@@ -46,7 +56,7 @@ def run_evaluation(trained: TrainResult, out: Path, logger) -> Evaluation:
 def evaluate_model(trained: TrainResult, mlflow_run_id: str) -> Evaluation:
     """Evaluate the best weights on the test split, once per image, and log the results."""
     logger = run_logger()
-    out = trained.output_dir.parent / "evaluation"
+    out = evaluation_dir(trained.job)
     evaluation = run_evaluation(trained, out, logger)
     training_curves_png(trained.history, out / "training_curves.png")
     client = MlflowClient(tracking_uri())

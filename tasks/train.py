@@ -26,7 +26,8 @@ def write_job(job: TrainJob) -> Path:
 
 def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda event: None,
                  extra_env: dict[str, str] | None = None, mlflow_run_id: str | None = None,
-                 tracking_uri: str | None = None) -> TrainResult:
+                 tracking_uri: str | None = None, evaluate_into: Path | None = None
+                 ) -> TrainResult:
     """Launch training for `job` and return what it produced. Usable without Prefect on one
     machine; on several (tasks/nodes.py) each machine's launch is a Prefect flow run.
 
@@ -37,6 +38,8 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         "MLflow logging failed (training went on): %s", message))
     job_file = write_job(job)
     args = ["--job", str(job_file)] + (["--resume"] if resume else [])
+    if evaluate_into is not None:
+        args += ["--evaluate-into", str(evaluate_into)]
 
     def on_event(event: dict) -> None:
         kind, main = event["event"], event["rank"] == 0
@@ -72,6 +75,7 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         raise RuntimeError("training exited cleanly but rank 0 reported no result")
     result = done[-1]
     best = result["best"]
+    evaluated = [e for e in events if e["event"] == "evaluated" and e["rank"] == 0]
     return TrainResult(
         job=job,
         preprocessing=Preprocessing.model_validate(result["preprocessing"]),
@@ -81,7 +85,14 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         history=result["history"],
         world_size=result["world_size"],
         mlflow_unsent=unsent,
+        test_metrics=evaluated[-1]["metrics"] if evaluated else None,
+        test_dir=Path(evaluated[-1]["out"]) if evaluated else None,
     )
+
+
+def evaluation_dir(job: TrainJob) -> Path:
+    """Where the test-split evaluation of this training goes (evaluate_model reads it)."""
+    return job.output_dir.parent / "evaluation"
 
 
 def system_metrics(run_id: str | None, tracking_uri: str | None):
@@ -108,7 +119,8 @@ def train_model(split: SplitResult, training: TrainingSpec, output_dir: Path,
         update_progress_artifact(artifact_id, progress=100.0 * event["epoch"] / event["epochs"])
 
     result = run_training(job, logger, resume=True, on_epoch=on_epoch,
-                          mlflow_run_id=mlflow_run_id, tracking_uri=tracking_uri)
+                          mlflow_run_id=mlflow_run_id, tracking_uri=tracking_uri,
+                          evaluate_into=evaluation_dir(job))
     if result.mlflow_unsent:
         logger.warning("%d metric batches could not be logged to MLflow; weights are safe at %s",
                        result.mlflow_unsent, result.weights)

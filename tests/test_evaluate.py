@@ -1,4 +1,5 @@
-"""Evaluation: metrics on a hand-checked case, and the same numbers from 1 and 2 processes."""
+"""Evaluation: metrics on a hand-checked case, and the same numbers from 1 and 2 processes and
+from the training launch itself."""
 
 import json
 import subprocess
@@ -38,8 +39,10 @@ def test_one_and_two_processes_give_identical_metrics(digits_split, tmp_path):
 
     _, split = digits_split
     job = TrainJob(split=split, output_dir=tmp_path / "train",
-                   training={"epochs": 1, "image_size": 12, "num_processes": 1, "batch_size": 32})
-    trained = run_training(job, logging.getLogger("t"))
+                   training={"epochs": 1, "image_size": 12, "num_processes": 2, "batch_size": 32,
+                             "mixed_precision": "bf16"})
+    # The training launch evaluates too (as train_model asks it): same numbers as alone.
+    trained = run_training(job, logging.getLogger("t"), evaluate_into=tmp_path / "in-launch")
     results = {}
     for n in (1, 2):
         spec = job.training.model_copy(update={"num_processes": n})
@@ -56,6 +59,10 @@ def test_one_and_two_processes_give_identical_metrics(digits_split, tmp_path):
     assert results[1]["confusion_matrix"] == results[2]["confusion_matrix"]
     assert results[1]["accuracy"] == results[2]["accuracy"]
     assert results[1]["loss"] == pytest.approx(results[2]["loss"], rel=1e-5)
+    in_launch = json.loads((tmp_path / "in-launch" / "metrics.json").read_text())
+    assert in_launch["confusion_matrix"] == results[2]["confusion_matrix"]
+    assert trained.test_metrics["accuracy"] == results[2]["accuracy"]  # fp32, bf16 training
+    assert trained.test_metrics["loss"] == pytest.approx(results[2]["loss"], rel=1e-5)
     one, two = (_rows(tmp_path / f"e{n}" / "predictions.csv") for n in (1, 2))
     assert [r[:3] + r[4:] for r in one] == [r[:3] + r[4:] for r in two]  # path ... correct
     assert [float(r[3]) for r in one] == pytest.approx([float(r[3]) for r in two], abs=1e-4)

@@ -40,6 +40,9 @@ def test_full_flow_on_digits(prefect_engine, session_home):
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")}
     assert {"evaluation/training_curves.png", "evaluation/confusion_matrix.png",
             "evaluation/worst_predictions.png"} <= artifacts
+    # One launch: the training's ranks evaluated; no second launch wrote rank progress here.
+    assert result.trained.test_metrics["accuracy"] == run.data.metrics["test_accuracy"]
+    assert not (result.evaluation.output_dir / "progress").exists()
     # What a user looks for on the run page: datasets, system metrics, description, spec.
     contexts = {i.tags[0].value: i.dataset for i in run.inputs.dataset_inputs}
     assert contexts.keys() == {"train", "val", "test"}

@@ -52,8 +52,10 @@ def predict_split(job: TrainJob, weights: Path, accelerator: Accelerator, progre
     with accelerator.main_process_first():  # the main process decodes; the others map it
         images, labels, paths = decode_split(job.split, split, pre.image_size, pre.channels)
     dataset = IndexedImages(CachedImages(images, labels, pre.image_size, augment=False))
-    model, loader = accelerator.prepare(model, DataLoader(dataset,
-                                                          batch_size=job.training.batch_size))
+    # The model is not prepared: no DDP wrapper is needed for inference, and none of the
+    # training's mixed-precision autocast, so the metrics are those of the fp32 model served.
+    model = model.to(accelerator.device).eval()
+    loader = accelerator.prepare(DataLoader(dataset, batch_size=job.training.batch_size))
     normalize = Normalize(pre.mean, pre.std).to(accelerator.device)
     outputs, indices = [], []
     for step, (batch, _, index) in enumerate(loader, start=1):
@@ -88,6 +90,11 @@ def evaluate(job: TrainJob, weights: Path, out: Path, accelerator: Accelerator, 
     return metrics
 
 
+def summarize(metrics: dict) -> dict:
+    """The metrics without the confusion matrix: what the `done` event carries."""
+    return {k: v for k, v in metrics.items() if not isinstance(v, list)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Evaluate trained weights on the test split.")
     parser.add_argument("--job", type=Path, required=True, help="the training job file")
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         accelerator.wait_for_everyone()
     summary = None
     if metrics is not None:
-        summary = {k: v for k, v in metrics.items() if not isinstance(v, list)}
+        summary = summarize(metrics)
         print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}))
     progress.emit("done", metrics=summary, world_size=rank.world)
     accelerator.end_training()

@@ -70,6 +70,10 @@ class TrainResult(BaseModel):
     history: list[dict[str, float]]
     world_size: int
     mlflow_unsent: int = 0
+    test_metrics: dict | None = None
+    """Set when the launch also evaluated the best weights on the test split (its ranks were
+    up already); the files are in `test_dir`."""
+    test_dir: Path | None = None
 
     @property
     def output_dir(self) -> Path:

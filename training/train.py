@@ -149,7 +149,6 @@ def finish(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progre
         load_trained(job, weights)  # the saved weights load strictly before success is reported
         write_json_atomic(job.output_dir / "history.json", result)
     progress.emit("done", **result)
-    accelerator.end_training()
     return result
 
 
@@ -179,6 +178,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="job file (JSON), e.g. --job runs/123/train/job.json")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint, if any")
+    parser.add_argument("--evaluate-into", type=Path, metavar="DIR",
+                        help="then evaluate the best weights on the test split into DIR "
+                        "(training.evaluate's files), in the same processes")
     parser.add_argument("--log-with", choices=["mlflow"],
                         help="log from the main process through Accelerate's tracker (the run "
                         "named by MLFLOW_RUN_ID, else a new one); train-flow does not need it")
@@ -188,7 +190,17 @@ def main(argv: list[str] | None = None) -> None:
     accelerator = make_accelerator(job, args.log_with)
     rank, progress = start_rank(accelerator, job.output_dir)  # passed everywhere
     with progress.reporting_errors():
-        train(job, accelerator, rank, progress, resume=args.resume)
+        result = train(job, accelerator, rank, progress, resume=args.resume)
+        if args.evaluate_into:
+            # A second launch would start interpreters, torch and the process group again.
+            from training.evaluate import evaluate, summarize
+
+            metrics = evaluate(job, Path(result["weights"]), args.evaluate_into, accelerator,
+                               rank, progress)
+            accelerator.wait_for_everyone()
+            if metrics is not None:
+                progress.emit("evaluated", metrics=summarize(metrics), out=str(args.evaluate_into))
+    accelerator.end_training()  # trackers, and the process group: after the evaluation
 
 
 if __name__ == "__main__":
