@@ -21,6 +21,7 @@ import pytest
 
 from tests.hosts import namespaces_possible, two_hosts
 from training.engine.progress import ProgressReader
+from training.processes import kill_tree
 
 WHY_NOT = namespaces_possible()
 pytestmark = [pytest.mark.slow, pytest.mark.multihost,
@@ -38,6 +39,28 @@ def hosts(tmp_path_factory):
                             "OMP_NUM_THREADS": "1"}) as made:
         made.env["TRAINFLOW_HOME"] = str(home)
         yield made
+
+
+@pytest.fixture(scope="module")
+def flow_worker(hosts, tmp_path_factory):
+    """train-flow/digits deployed to the same pool, and a worker for it outside both hosts, as
+    a user's train-flow run would run on some machine of the pool."""
+    from tests.hosts import BIN, REPO
+
+    done = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "digits",
+                           "--pool", hosts.pool], cwd=REPO, env=hosts.env, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    log = tmp_path_factory.mktemp("flow-worker") / "worker.log"
+    with open(log, "ab") as out:
+        worker = subprocess.Popen(
+            [str(BIN / "prefect"), "worker", "start", "--pool", hosts.pool, "--work-queue",
+             "default", "--type", "process"], env=hosts.env, cwd=REPO, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield worker
+    finally:
+        kill_tree(worker)
 
 
 @pytest.fixture
@@ -180,3 +203,35 @@ def test_machine_0_that_is_not_there_is_named(on_hosts):
         s.bind((hosts.gateway, 0))  # an address that answers, with nobody listening yet
         s.listen()
         wait_reachable(hosts.gateway, s.getsockname()[1], timeout_s=5)
+
+
+def test_cancelling_the_flow_run_stops_every_node_on_every_host(on_hosts, flow_worker):
+    from prefect import get_client
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+
+    from training.storage import home
+
+    hosts = on_hosts
+    run = run_deployment("train-flow/digits", timeout=0, parameters={
+        "training": {**TWO_HOSTS, "epochs": 30}, "force": True})
+    progress = home() / "runs" / str(run.id) / "train"
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and not any(
+            e["event"] == "epoch" for e in ProgressReader(progress).poll()):
+        time.sleep(0.5)
+    assert _training_processes(hosts), "the training never got going on the hosts"
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(run.id, Cancelling())
+        cancelled = time.monotonic()
+        while _training_processes(hosts) and time.monotonic() - cancelled < 90:
+            time.sleep(1)
+        stopped_after = time.monotonic() - cancelled
+        assert _training_processes(hosts) == [], "ranks outlived the cancelled flow run"
+        while time.monotonic() - cancelled < 120 and not client.read_flow_run(
+                run.id).state.is_final():
+            time.sleep(1)
+        assert client.read_flow_run(run.id).state.type.value == "CANCELLED"
+    nodes = [r for r in _node_runs(hosts) if str(run.id) in str(r.parameters.get("job_file"))]
+    assert len(nodes) == 2 and all(r.state.is_final() for r in nodes), nodes
+    print(f"every rank on both hosts gone {stopped_after:.0f} s after the cancel")
