@@ -84,12 +84,28 @@ def test_mlflow_going_down_mid_training_keeps_the_weights(digits_split, tmp_path
     assert load_file(result.weights)  # the trained weights are on disk and readable
 
 
+def test_bf16_on_a_cpu_without_bf16_instructions_is_refused_before_work(monkeypatch):
+    import torch
+
+    from tasks import preflight
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    monkeypatch.setattr(preflight, "cpu_has_bf16", lambda: False)  # as on this AVX2 machine
+    with pytest.raises(PreflightError, match='"bf16" on this machine would be emulated'):
+        check_training(TrainingSpec(mixed_precision="bf16"))
+    with pytest.raises(PreflightError, match='use "no"'):
+        check_training(TrainingSpec(mixed_precision="fp16"))
+    monkeypatch.setattr(preflight, "cpu_has_bf16", lambda: True)
+    check_training(TrainingSpec(mixed_precision="bf16"))
+
+
 def test_fp16_on_a_cpu_machine_is_refused_before_work():
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    with pytest.raises(PreflightError, match='"fp16" needs a CUDA GPU; .* use "bf16" or "no"'):
+    with pytest.raises(PreflightError, match='"fp16" needs a CUDA GPU; .* use '):
         check_training(TrainingSpec(mixed_precision="fp16"))
     with pytest.raises(PreflightError, match="CPU cores and no GPU"):
         check_training(TrainingSpec(num_processes=64))

@@ -1,0 +1,65 @@
+"""Faster steps where the hardware allows? channels_last and bf16 autocast, each on and off.
+
+    python -m bench.step_options --images 3000 --rounds 2
+
+Our training launch (2 processes, resnet18 64 px, 2 epochs, warm decode cache) on the generated
+photos of bench/scale.py; the four combinations alternate within each round. Images/s of
+epoch 2 (epoch 1 carries one-off costs), medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+OPTIONS = {"fp32, contiguous": {}, "fp32, channels_last": {"channels_last": True},
+           "bf16, contiguous": {"mixed_precision": "bf16"},
+           "bf16, channels_last": {"mixed_precision": "bf16", "channels_last": True}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--images", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="trainflow-bench-steps-"))
+    os.environ["TRAINFLOW_HOME"] = str(home)
+    from bench.scale import photos
+    from tasks.train import run_training
+    from training.config import DatasetSpec, SplitSpec
+    from training.data.sources import prepare
+    from training.data.split import split_dataset
+    from training.handoff import TrainJob
+
+    root = photos(args.images)
+    split = split_dataset(prepare(DatasetSpec(source=str(root.parent), labels="filename",
+                                              subdir="train"), home), SplitSpec(), home)
+    logger = logging.getLogger("bench.steps")
+    speed: dict[str, list[float]] = {name: [] for name in OPTIONS}
+    try:
+        for round_ in range(args.rounds):
+            for name, options in OPTIONS.items():
+                training = {"model": "resnet18", "image_size": 64, "batch_size": 64,
+                            "epochs": 2, "num_processes": 2, **options}
+                job = TrainJob(split=split, training=training,
+                               output_dir=home / f"{round_}-{name.replace(', ', '-')}")
+                result = run_training(job, logger, resume=False)
+                speed[name].append(result.history[-1]["images_per_second"])
+                print(f"round {round_ + 1} {name}: {speed[name][-1]:.0f} images/s", flush=True)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    base = statistics.median(speed["fp32, contiguous"])
+    print("\n| option | epoch-2 images/s, median (runs) | vs fp32 contiguous |\n|---|---|---|")
+    for name, values in speed.items():
+        med = statistics.median(values)
+        print(f"| {name} | {med:.0f} ({', '.join(f'{v:.0f}' for v in values)}) | "
+              f"{med / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
