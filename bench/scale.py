@@ -8,8 +8,9 @@ The photos (bench/make_photos.py, 256-500 px JPEGs, two classes) are generated o
 ~/.cache/trainflow-bench/ and reused. Runs alternate within one invocation; medians.
 
 Data stages, each from a fresh home: one full decode of every image on all cores (the
-yardstick), the split's integrity check as it was (full-scale decode) and as it is (JPEG
-pixels at 1/8 scale), and the decode caches a 64 px training builds (train, val, test).
+yardstick); the split that only checks followed by the training's decode (two passes, as
+before); the split that decodes each image once at its training side, followed by the
+training's decode (which then finds everything decoded).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from PIL import Image
@@ -44,11 +45,11 @@ def photos(images: int) -> Path:
 
 
 def on_all_cores(work, items) -> float:
-    """Seconds to run `work` on every item with a thread per core (PIL decodes without the
-    GIL); `work` returns nothing, so no decoded image is kept."""
+    """Seconds to run `work` on every item with a process per core (threads are GIL-bound on
+    PIL's header parsing); `work` returns nothing, so no decoded image is kept."""
     started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        list(pool.map(work, items))
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(work, items, chunksize=64))
     return time.perf_counter() - started
 
 
@@ -58,48 +59,52 @@ def full_decode(path: Path) -> None:
 
 
 def data_stages(root: Path, pairs: int) -> list[str]:
-    from training.config import DatasetSpec, SplitSpec
-    from training.data.cache import decode_split
-    from training.data.images import open_image
+    from training.config import DatasetSpec, SplitSpec, TrainingSpec
+    from training.data.cache import decode_split, split_sides
     from training.data.sources import prepare
     from training.data.split import split_dataset
+    from training.data.store import store_bytes
 
     files = sorted(root.iterdir())
-    times: dict[str, list[float]] = {"full": [], "old_check": [], "split": [], "caches": []}
-    cache_bytes = 0
+    sides = split_sides(TrainingSpec(model="resnet18", image_size=SIZE, augment="crop_flip"))
+    times: dict[str, list[float]] = {k: [] for k in ("full", "check", "caches", "once", "after")}
+    disk = 0
     for _ in range(pairs):
-        home = Path(tempfile.mkdtemp(prefix="trainflow-bench-scale-"))
-        try:
-            times["full"].append(on_all_cores(full_decode, files))
-            times["old_check"].append(on_all_cores(lambda p: open_image(p, 3) and None, files))
-            ref = prepare(DatasetSpec(source=str(root.parent), labels="filename",
-                                      subdir="train"), home)
-            started = time.perf_counter()
-            split = split_dataset(ref, SplitSpec(val_fraction=0.2, test_fraction=0.1), home)
-            times["split"].append(time.perf_counter() - started)
-            started = time.perf_counter()
-            for name in ("train", "val", "test"):
-                decode_split(split, name, SIZE, 3)
-            times["caches"].append(time.perf_counter() - started)
-            cache_bytes = sum(f.stat().st_size for f in (split.manifest.parent / "cache").iterdir())
-        finally:
-            shutil.rmtree(home, ignore_errors=True)
+        times["full"].append(on_all_cores(full_decode, files))
+        for way in ("before", "now"):
+            home = Path(tempfile.mkdtemp(prefix="trainflow-bench-scale-"))
+            try:
+                ref = prepare(DatasetSpec(source=str(root.parent), labels="filename",
+                                          subdir="train"), home)
+                started = time.perf_counter()
+                split = split_dataset(ref, SplitSpec(val_fraction=0.2, test_fraction=0.1), home,
+                                      sides if way == "now" else None)
+                times["once" if way == "now" else "check"].append(time.perf_counter() - started)
+                started = time.perf_counter()
+                for name, side in sides.items():  # what the training launch decodes
+                    decode_split(split, name, side, 3)
+                times["after" if way == "now" else "caches"].append(time.perf_counter() - started)
+                disk = store_bytes(split.manifest.parent.parent)
+            finally:
+                shutil.rmtree(home, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     runs = {k: ", ".join(f"{t:.1f}" for t in v) for k, v in times.items()}
-    now, before = med["split"] + med["caches"], med["old_check"] + med["caches"]
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    rows = {"full": "one full decode of every image, all cores (yardstick)",
-            "old_check": "split check as it was (full-scale decode), all cores",
-            "split": "split as it is (check at 1/8 JPEG scale, assignment, manifest)",
-            "caches": f"decode caches for a {SIZE} px training (train, val, test)"}
+    now, before = med["once"] + med["after"], med["check"] + med["caches"]
+    peak_mb = max(resource.getrusage(who).ru_maxrss for who in
+                  (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
+    rows = {"full": "one full decode of every image, a process per core (yardstick)",
+            "check": "before: split, checking at 1/8 JPEG scale",
+            "caches": f"before: then the training decodes train, val, test ({sides})",
+            "once": "now: split, the check decoding each image at its training side",
+            "after": "now: then the training's decode (finds every image decoded)"}
     return [
         f"{len(files)} JPEGs, {os.cpu_count()} cores, medians of {pairs} (runs)", "",
         "| stage | s |", "|---|---|",
         *(f"| {label} | {med[key]:.1f} ({runs[key]}) |" for key, label in rows.items()),
         "", f"- split + caches: now {now:.1f} s = **{now / med['full']:.2f}x** one full decode "
         f"(before {before:.1f} s = {before / med['full']:.2f}x); target 1.2x",
-        f"- cache on disk: {cache_bytes / 2**20:.0f} MB at {SIZE} px; peak resident memory of "
-        f"this process {peak_mb:.0f} MB"]
+        f"- decoded images on disk: {disk / 1e6:.0f} MB; peak resident memory of one "
+        f"process {peak_mb:.0f} MB"]
 
 
 def train_side_by_side(root: Path, pairs: int, epochs: int) -> list[str]:

@@ -29,23 +29,31 @@ def main() -> None:
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="trainflow-bench-steps-"))
     os.environ["TRAINFLOW_HOME"] = str(home)
+    import torch
+
     from bench.scale import photos
+    from tasks.preflight import cpu_has_bf16
     from tasks.train import run_training
     from training.config import DatasetSpec, SplitSpec
     from training.data.sources import prepare
     from training.data.split import split_dataset
     from training.handoff import TrainJob
 
+    options = {name: o for name, o in OPTIONS.items() if "bf16" not in name
+               or torch.cuda.is_available() or cpu_has_bf16()}
+    if len(options) < len(OPTIONS):
+        print("no GPU and no bf16 instructions on this CPU: bf16 (emulated, 28x slower) is "
+              "left out", flush=True)
     root = photos(args.images)
     split = split_dataset(prepare(DatasetSpec(source=str(root.parent), labels="filename",
                                               subdir="train"), home), SplitSpec(), home)
     logger = logging.getLogger("bench.steps")
-    speed: dict[str, list[float]] = {name: [] for name in OPTIONS}
+    speed: dict[str, list[float]] = {name: [] for name in options}
     try:
         for round_ in range(args.rounds):
-            for name, options in OPTIONS.items():
+            for name, option in options.items():
                 training = {"model": "resnet18", "image_size": 64, "batch_size": 64,
-                            "epochs": 2, "num_processes": 2, **options}
+                            "epochs": 2, "num_processes": 2, **option}
                 job = TrainJob(split=split, training=training,
                                output_dir=home / f"{round_}-{name.replace(', ', '-')}")
                 result = run_training(job, logger, resume=False)

@@ -26,7 +26,7 @@ from training.handoff import SplitResult, TrainJob
 
 def one_run(split: SplitResult, folder: Path, processes: int, epochs: int, cold: bool) -> dict:
     if cold:
-        shutil.rmtree(split.manifest.parent / "cache", ignore_errors=True)
+        shutil.rmtree(split.manifest.parent.parent / "decoded", ignore_errors=True)
     job = TrainJob(split=split, output_dir=folder,
                    training={"epochs": epochs, "num_processes": processes, "batch_size": 64,
                              "image_size": 28})

@@ -28,6 +28,7 @@ from tasks.register import Registration, register_model
 from tasks.sweep import SweepSummary, run_trials
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run
 from training.config import DatasetSpec, Distribution, RegistrySpec, SplitSpec, SweepSpec, TrainingSpec
+from training.data.cache import split_sides
 
 
 class SweepResult(BaseModel):
@@ -55,7 +56,7 @@ def sweep_flow(
                       pruning_warmup_epochs=pruning_warmup_epochs)
     check_before_start(dataset, training)
     source = prepare_dataset(dataset)
-    data = split_dataset(source, split)
+    data = split_dataset(source, split, split_sides(training))
     run_id = open_mlflow_run(lineage_tags(dataset, split, training, registry, source, data), data,
                              flow_name="sweep-flow")
     with failing_with_the_flow(run_id):

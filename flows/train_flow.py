@@ -27,6 +27,7 @@ from tasks.report import publish_report
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run
 from tasks.train import train_model
 from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
+from training.data.cache import split_sides
 from training.handoff import TrainResult
 from training.storage import home, tracking_uri
 
@@ -49,7 +50,7 @@ def train_flow(
 ) -> FlowResult:
     check_before_start(dataset, training)
     source = prepare_dataset(dataset)
-    data = split_dataset(source, split)
+    data = split_dataset(source, split, split_sides(training))
     lineage = lineage_tags(dataset, split, training, registry, source, data)
     if not force and (version := find_unchanged_champion(registry.model_name, lineage)):
         return FlowResult(skipped=f"champion v{version} already trained on this data and spec")

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
+import time
+from collections.abc import Callable, Iterator
 
 from prefect import task
+from rich.progress import Progress
 
 from tasks import run_logger
 from training.config import DatasetSpec, SplitSpec
@@ -13,6 +18,7 @@ from training.data.kaggle import KaggleCredentials
 from training.data.sources import DatasetRef, prepare
 from training.data.split import SplitResult
 from training.data.split import split_dataset as make_split
+from training.data.store import store_bytes
 from training.storage import home
 
 
@@ -43,13 +49,47 @@ def prepare_dataset(dataset: DatasetSpec) -> DatasetRef:
 
 
 @task
-def split_dataset(dataset: DatasetRef, split: SplitSpec) -> SplitResult:
-    """Check every image and write the stratified, stable train/val/test manifest."""
+def split_dataset(dataset: DatasetRef, split: SplitSpec, sides: dict[str, int] | None = None
+                  ) -> SplitResult:
+    """Check every image and write the stratified, stable train/val/test manifest.
+
+    With `sides` (split -> side, `training.data.cache.split_sides`), the check is also the
+    training's decode: each image is decoded once, and the training launch decodes nothing.
+    """
     logger = run_logger()
-    result = make_split(dataset, split, home())
+    with decode_progress(logger) as on_progress:
+        result = make_split(dataset, split, home(), sides, on_progress)
     logger.info("manifest %s: %s", result.manifest,
                 {name: sum(c.values()) for name, c in result.counts.items()})
+    if sides:
+        folder = result.manifest.parent.parent
+        logger.info("decoded images: %.1f MB in %s", store_bytes(folder) / 1e6,
+                    folder / "decoded")
     if result.quarantined:
         logger.warning("%d unreadable images quarantined: see %s", result.quarantined,
                        result.manifest.parent / "quarantine.json")
     return result
+
+
+@contextlib.contextmanager
+def decode_progress(logger, every_s: float = 10.0) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on a terminal, and a log line every `every_s` (a heartbeat in the UI)."""
+    last = [time.monotonic()]
+    bar = Progress(transient=True) if sys.stderr.isatty() else None
+    task_id = None
+
+    def on_progress(done: int, total: int) -> None:
+        nonlocal task_id
+        if bar is not None:
+            if task_id is None:
+                task_id = bar.add_task("decoding images", total=total)
+            bar.update(task_id, completed=done, total=total)
+        if done == total or time.monotonic() - last[0] >= every_s:
+            last[0] = time.monotonic()
+            logger.info("decoded %d of %d images", done, total)
+
+    if bar is None:
+        yield on_progress
+    else:
+        with bar:
+            yield on_progress

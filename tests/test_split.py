@@ -13,9 +13,14 @@ from training.data.sources import prepare
 from training.data.split import read_manifest, split_dataset
 
 
-def _split(folder, home, **split):
+def _split(folder, home, sides=None, **split):
     ref = prepare(DatasetSpec(source=str(folder), labels="filename"), home)
-    return split_dataset(ref, SplitSpec(**split), home)
+    return split_dataset(ref, SplitSpec(**split), home, sides)
+
+
+# The flow's split decodes each image at its training side; a split alone only checks.
+both_checks = pytest.mark.parametrize("sides", [None, {"train": 14, "val": 12, "test": 12}],
+                                      ids=["check-only", "decode-once"])
 
 
 def test_digits_split_is_stratified(digits_split):
@@ -58,7 +63,8 @@ def test_adding_images_never_moves_old_ones(tmp_path, home):
         assert abs(grown.counts["val"][name] - 0.1 * n) <= 1
 
 
-def test_corrupt_files_are_quarantined_not_fatal(tmp_path, home):
+@both_checks
+def test_corrupt_files_are_quarantined_not_fatal(tmp_path, home, sides):
     folder = tmp_path / "d"
     write_filename_layout(folder, {"cat": 40, "dog": 40})
     good = (folder / "cat.0.jpg").read_bytes()
@@ -67,7 +73,7 @@ def test_corrupt_files_are_quarantined_not_fatal(tmp_path, home):
     (folder / "dog.1.jpg").write_text("not an image at all")
     Image.new("RGBA", (20, 20), (255, 0, 0, 128)).save(folder / "cat.1.png")  # RGBA: kept
     Image.new("L", (20, 20), 128).save(folder / "cat.2.jpg")  # grayscale in RGB data: kept
-    result = _split(folder, home)
+    result = _split(folder, home, sides)
     report = json.loads((result.manifest.parent / "quarantine.json").read_text())
     assert {r["path"] for r in report} == {"cat.0.jpg", "dog.0.jpg", "dog.1.jpg"}
     assert result.quarantined == 3
@@ -76,23 +82,25 @@ def test_corrupt_files_are_quarantined_not_fatal(tmp_path, home):
     assert result.channels == 3
 
 
-def test_decompression_bomb_is_refused_by_size(tmp_path, home):
+@both_checks
+def test_decompression_bomb_is_refused_by_size(tmp_path, home, sides):
     folder = tmp_path / "d"
     write_filename_layout(folder, {"cat": 30, "dog": 30})
     Image.new("1", (8000, 6000)).save(folder / "cat.bomb.png")  # 48 MP, a tiny file
-    result = _split(folder, home)
+    result = _split(folder, home, sides)
     report = json.loads((result.manifest.parent / "quarantine.json").read_text())
     assert [r["path"] for r in report] == ["cat.bomb.png"]
     assert "pixel limit" in report[0]["reason"]
 
 
-def test_too_many_unreadable_files_stop_the_run(tmp_path, home):
+@both_checks
+def test_too_many_unreadable_files_stop_the_run(tmp_path, home, sides):
     folder = tmp_path / "d"
     write_filename_layout(folder, {"cat": 20, "dog": 20})
     for i in range(3):
         (folder / f"cat.{i}.jpg").write_bytes(b"\xff\xd8broken")
     with pytest.raises(DatasetError, match="3 of 40 images are unreadable"):
-        _split(folder, home)
+        _split(folder, home, sides)
 
 
 def test_one_class_and_tiny_classes_are_refused(tmp_path, home):
@@ -115,19 +123,3 @@ def test_a_jpeg_cut_anywhere_is_caught_by_the_reduced_scale_check(tmp_path, kept
     assert check_image(tmp_path, "whole.jpg").ok
     verdict = check_image(tmp_path, "cut.jpg")
     assert not verdict.ok and "truncated" in verdict.reason
-
-
-def test_only_the_newest_two_dataset_versions_keep_their_decode_caches(tmp_path, home):
-    from training.data.cache import decode_split
-
-    folder = tmp_path / "d"
-    write_filename_layout(folder, {"cat": 20, "dog": 20})
-    versions = []
-    for grow in range(3):
-        if grow:
-            write_filename_layout(folder, {"cat": 5, "dog": 5}, start=20 + 5 * grow)
-        result = _split(folder, home)
-        decode_split(result, "test", 12, 3)  # what a training on this version writes
-        versions.append(result.manifest.parent)
-    assert [(v / "cache").exists() for v in versions] == [False, True, True]
-    assert all((v / "manifest.csv").is_file() for v in versions)  # history stays

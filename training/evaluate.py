@@ -20,7 +20,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
 
-from training.data.cache import CachedImages, Normalize, decode_split
+from training.data.cache import CachedImages, Normalize, decode_split, split_sides
 from training.engine.progress import ProgressWriter, Rank, start_rank
 from training.evaluation.metrics import compute_metrics, predictions_csv
 from training.handoff import TrainJob
@@ -50,8 +50,9 @@ def predict_split(job: TrainJob, weights: Path, accelerator: Accelerator, progre
     model = load_trained(job, weights)
     pre = preprocessing_for(job)
     with accelerator.main_process_first():  # the main process decodes; the others map it
-        images, labels, paths = decode_split(job.split, split, pre.image_size, pre.channels)
-    dataset = IndexedImages(CachedImages(images, labels, pre.image_size, augment=False))
+        images = decode_split(job.split, split, split_sides(job.training)[split], pre.channels)
+    labels, paths = images.labels, images.paths
+    dataset = IndexedImages(CachedImages(images, pre.image_size, augment=False))
     # The model is not prepared: no DDP wrapper is needed for inference, and none of the
     # training's mixed-precision autocast, so the metrics are those of the fp32 model served.
     model = model.to(accelerator.device).eval()

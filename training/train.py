@@ -35,7 +35,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader
 
 from training.config import TrainingSpec
-from training.data.cache import CachedImages, Normalize, cache_side, decode_split
+from training.data.cache import CachedImages, Normalize, decode_split, split_sides
 from training.engine.checkpoint import Checkpointer, TrainerState, project_configuration
 from training.engine.loop import Learner, train_one_epoch, validate
 from training.engine.progress import ProgressWriter, Rank, start_rank
@@ -112,22 +112,20 @@ def optimizer_steps(loader: DataLoader, spec: TrainingSpec) -> int:
 def make_loaders(job: TrainJob, accelerator: Accelerator, progress: ProgressWriter
                  ) -> tuple[DataLoader, DataLoader]:
     spec, pre = job.training, preprocessing_for(job)
-    augment = spec.augment != "none"
+    sides = split_sides(spec)
 
     def decoding(split):
         return lambda done, total: progress.emit("heartbeat", phase=f"decode {split}",
                                                  step=done, total=total)
 
-    # Only the main process decodes; the others wait and then map the same cache files.
+    # Only the main process decodes (when the split stage has not already); the others wait
+    # and then map the same store.
     with accelerator.main_process_first():
-        train_x, train_y, _ = decode_split(job.split, "train", cache_side(pre.image_size, augment),
-                                           pre.channels, decoding("train"))
-        val_x, val_y, _ = decode_split(job.split, "val", pre.image_size, pre.channels,
-                                       decoding("val"))
-    return (DataLoader(CachedImages(train_x, train_y, pre.image_size, spec.augment),
+        train = decode_split(job.split, "train", sides["train"], pre.channels, decoding("train"))
+        val = decode_split(job.split, "val", sides["val"], pre.channels, decoding("val"))
+    return (DataLoader(CachedImages(train, pre.image_size, spec.augment),
                        batch_size=spec.batch_size, shuffle=True),
-            DataLoader(CachedImages(val_x, val_y, pre.image_size, False),
-                       batch_size=spec.batch_size))
+            DataLoader(CachedImages(val, pre.image_size, False), batch_size=spec.batch_size))
 
 
 def report_params(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: ProgressWriter,

@@ -1,25 +1,25 @@
-"""The input pipeline: decode each image once into a uint8 cache, then serve tensors from it.
+"""The input pipeline: each image decoded once into the decode store, served as tensors from it.
 
-Decoding JPEGs every epoch is what makes the hand-written tutorial loop slow; here the first
-run decodes each split once (threads, JPEG draft mode) into a .npy file next to the manifest,
-and every epoch after that (and every later run on the same data) reads memory.
+Decoding JPEGs every epoch is what makes the hand-written tutorial loop slow; here each image
+is decoded once per size (by the split stage when the flow runs it, else by the first
+training that needs it) into a memory-mapped store (training/data/store.py), and every epoch
+and every later run on the same files reads memory.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from training.data.images import load_resized
+from training.config import TrainingSpec
 from training.data.split import read_manifest
+from training.data.store import DecodeStore, decode_into_stores
 from training.handoff import SplitResult
-from training.storage import atomic_path
 
 # Random crops are cut from a slightly larger image, as ImageNet training does (256 -> 224).
 CROP_MARGIN = 8 / 7
@@ -31,39 +31,57 @@ def cache_side(image_size: int, augment: bool) -> int:
     return round(image_size * CROP_MARGIN) if augment else image_size
 
 
+def split_sides(spec: TrainingSpec) -> dict[str, int]:
+    """The side each split is decoded at for a training with this spec."""
+    return {"train": cache_side(spec.image_size, spec.augment != "none"),
+            "val": spec.image_size, "test": spec.image_size}
+
+
+@dataclass(frozen=True)
+class SplitImages:
+    images: np.ndarray
+    """uint8 [R, C, side, side], memory-mapped: the decode store, of which `rows` are this split."""
+    rows: np.ndarray
+    labels: np.ndarray
+    paths: list[str]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.array(self.images[self.rows[i]])
+
+
 def decode_split(data: SplitResult, split: str, side: int, channels: int,
                  on_progress: Callable[[int, int], None] = lambda done, total: None,
-                 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """(images uint8 [N, C, side, side], labels int64 [N], paths) for one split, cached on disk."""
+                 ) -> SplitImages:
+    """One split's images at `side`, decoding only what the store does not have yet."""
     rows = [r for r in read_manifest(data.manifest) if r[2] == split]
     index = {name: i for i, name in enumerate(data.class_names)}
     paths = [p for p, _, _ in rows]
     labels = np.array([index[label] for _, label, _ in rows], dtype=np.int64)
-    root, cache_dir = data.root, data.manifest.parent / "cache"
-    key = data.manifest_sha256[:16]
-    cache = cache_dir / f"{split}-{side}px-{channels}ch-{key}.npy"
-    if not cache.is_file():
-        images = np.empty((len(rows), channels, side, side), dtype=np.uint8)
-
-        def load(i: int) -> None:
-            images[i] = load_resized(root / paths[i], side, channels)
-
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            for done, _ in enumerate(pool.map(load, range(len(rows))), start=1):
-                if done % 500 == 0:  # a heartbeat, so a long decode is not taken for a hang
-                    on_progress(done, len(rows))
-        with atomic_path(cache) as tmp, open(tmp, "wb") as f:
-            np.save(f, images)
+    folder = data.manifest.parent.parent
+    failed = {rel: o.reason for rel, o in
+              decode_into_stores(data.root, {side: paths}, folder, on_progress).items()
+              if not o.ok}
+    if failed:
+        rel, reason = next(iter(failed.items()))
+        raise ValueError(f"{len(failed)} images of the {split} split became unreadable after "
+                         f"the split checked them, first {data.root / rel}: {reason}; restore "
+                         "them, or run the flow again to re-split")
+    store = DecodeStore(folder, side)
+    with store.locked(exclusive=False) as stored:
+        found = store.lookup(stored, paths)
     # Memory-mapped: every rank on the host shares the same page cache instead of a copy each.
-    return np.load(cache, mmap_mode="r"), labels, paths
+    # Grayscale datasets are stored with the channel repeated; channel 0 is the image.
+    return SplitImages(found.images[:, :channels], found.rows, labels, paths)
 
 
 class CachedImages(Dataset):
     """uint8 image tensors from the decode cache, augmented as TrainingSpec.augment says."""
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, image_size: int,
-                 augment: str | bool = "none"):
-        self.images, self.labels = images, labels
+    def __init__(self, images: SplitImages, image_size: int, augment: str | bool = "none"):
+        self.images, self.labels = images, images.labels
         augment = {True: "crop_flip", False: "none"}.get(augment, augment)
         steps = []
         if augment in ("crop", "crop_flip"):
@@ -77,7 +95,7 @@ class CachedImages(Dataset):
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        image = torch.from_numpy(np.array(self.images[i]))
+        image = torch.from_numpy(self.images[i])
         if self.transform is not None:
             image = self.transform(image)
         return image, int(self.labels[i])

@@ -28,10 +28,10 @@ class ImageCheck:
     reason: str = ""
 
 
-def open_image(path: Path | BinaryIO, channels: int, draft: tuple[int, int] | None = None
-               ) -> Image.Image:
+def open_image(path: Path | BinaryIO, channels: int | None,
+               draft: tuple[int, int] | None = None) -> Image.Image:
     """Open and fully decode an image (a file, or encoded bytes in a file object), converted to
-    1 (L) or 3 (RGB) channels.
+    1 (L) or 3 (RGB) channels; `None`: 1 for a grayscale image, else 3.
 
     `verify()` alone accepts truncated JPEGs that later crash a DataLoader mid-epoch, so
     the pixels are always decoded here.
@@ -46,6 +46,8 @@ def open_image(path: Path | BinaryIO, channels: int, draft: tuple[int, int] | No
                         f"{width}x{height} pixels is over the {MAX_PIXELS:,}-pixel limit "
                         "(possible decompression bomb)"
                     )
+                if channels is None:
+                    channels = 1 if _is_grayscale(img) else 3
                 if draft is not None:
                     # JPEG only: decode at a reduced DCT scale no smaller than `draft`; far
                     # cheaper than decoding full size and resizing.
@@ -70,21 +72,31 @@ def _is_empty(source: Path | BinaryIO) -> bool:
 
 
 def check_image(root: Path, relpath: str) -> ImageCheck:
-    path = root / relpath
+    """Decode one image to check it, at the smallest scale that still reads every byte."""
     try:
-        with Image.open(path) as img:
-            grayscale = img.mode in GRAYSCALE_MODES or (
-                img.mode == "P" and _palette_is_gray(img)
-            )
         # Every compressed byte is still decoded (a truncated JPEG still fails), but a JPEG's
-        # pixels only at 1/8 scale: the full-size pixels are the training cache's job.
-        open_image(path, channels=1 if grayscale else 3, draft=(1, 1))
+        # pixels only at 1/8 scale: the full-size pixels are the decode store's job.
+        _, grayscale = decode_image(root / relpath, side=1)
     except ImageRejected as e:
         return ImageCheck(relpath, ok=False, reason=str(e))
-    except (OSError, SyntaxError, ValueError, UnidentifiedImageError) as e:
-        reason = "empty file" if path.stat().st_size == 0 else "not an image file"
-        return ImageCheck(relpath, ok=False, reason=f"{reason}: {e}")
     return ImageCheck(relpath, ok=True, grayscale=grayscale)
+
+
+def decode_image(path: Path, side: int) -> tuple[np.ndarray, bool]:
+    """(uint8 [3, side, side], grayscale): the check and the training decode in one pass.
+
+    A grayscale image is decoded as such and its channel repeated, which is exactly what
+    converting it to RGB first would give; channel 0 is its 1-channel decode.
+    """
+    img = open_image(path, None, draft=(side, side)).resize((side, side), Image.BILINEAR)
+    pixels = np.asarray(img, dtype=np.uint8)
+    if img.mode == "L":
+        return np.repeat(pixels[None], 3, axis=0), True
+    return pixels.transpose(2, 0, 1), False
+
+
+def _is_grayscale(img: Image.Image) -> bool:
+    return img.mode in GRAYSCALE_MODES or (img.mode == "P" and _palette_is_gray(img))
 
 
 def _palette_is_gray(img: Image.Image) -> bool:

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,12 +24,12 @@ from training.config import SplitSpec
 from training.data.images import ImageCheck, check_image
 from training.data.labels import DatasetError
 from training.data.sources import DatasetRef, labelled_files
+from training.data.store import DecodeStore, compact, decode_into_stores, prune_stores
 from training.handoff import SplitResult
 from training.storage import write_json_atomic, write_text_atomic
 
 SPLITS = ("train", "val", "test")
 MAX_UNREADABLE = 0.05
-CACHED_VERSIONS = 2  # dataset versions per split whose decode caches are kept
 
 
 def split_key(ref: DatasetRef, spec: SplitSpec) -> str:
@@ -46,15 +47,38 @@ def check_images(root: Path, relpaths: list[str]) -> list[ImageCheck]:
         return list(pool.map(lambda rel: check_image(root, rel), relpaths))
 
 
-def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path) -> SplitResult:
+def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path,
+                  sides: dict[str, int] | None = None,
+                  on_progress: Callable[[int, int], None] = lambda done, total: None,
+                  ) -> SplitResult:
+    """Check every image and write the manifest.
+
+    With `sides` (split -> the image side a training decodes it at), the check is the
+    training's decode: each image is decoded once, at its split's side, into the decode store
+    (training/data/store.py), and the training finds it there. Without, each image is decoded
+    at the smallest scale that still reads every byte.
+    """
     folder = home / "splits" / split_key(ref, spec)
     out = folder / ref.fingerprint[:16]
     if (out / "summary.json").is_file() and (out / "manifest.csv").is_file():
         # The fingerprint covers every file's content, so the checks and the assignment would
         # come out the same: a scheduled retrain on unchanged data decodes nothing here.
-        return SplitResult.model_validate_json((out / "summary.json").read_text())
+        result = SplitResult.model_validate_json((out / "summary.json").read_text())
+        if sides:
+            decode_into_stores(ref.root, _by_side(_assignment(result), sides), folder,
+                               on_progress)
+            prune_stores(folder)
+        return result
     pairs = labelled_files(ref)
-    checks = check_images(ref.root, [rel for rel, _ in pairs])
+    ledger_path = folder / "ledger.json"
+    ledger: dict[str, str] = json.loads(ledger_path.read_text()) if ledger_path.exists() else {}
+    if sides:
+        # Assigned as if every image were readable, so that each is decoded at its split's
+        # side; the few a bad file moves to another split are decoded again below.
+        hoped = _assign(pairs, ledger, spec)
+        checks = _decode_checked(ref.root, pairs, _by_side(hoped, sides), folder, on_progress)
+    else:
+        checks = check_images(ref.root, [rel for rel, _ in pairs])
     bad = [c for c in checks if not c.ok]
     if len(bad) > MAX_UNREADABLE * len(pairs):
         examples = "; ".join(f"{c.path}: {c.reason}" for c in bad[:5])
@@ -68,12 +92,9 @@ def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path) -> SplitResult:
     for rel, label in good:
         by_class[label].append(rel)
     _check_class_sizes(ref, by_class, spec)
-
-    ledger_path = folder / "ledger.json"
-    ledger: dict[str, str] = json.loads(ledger_path.read_text()) if ledger_path.exists() else {}
-    assignment = {}
-    for files in by_class.values():
-        assignment.update(_assign_class(files, ledger, spec))
+    assignment = _assign(good, ledger, spec)
+    if sides and bad:
+        decode_into_stores(ref.root, _by_side(assignment, sides), folder, on_progress)
 
     rows = sorted((rel, label, assignment[rel]) for rel, label in good)
     manifest_text = _manifest_csv(rows)
@@ -95,23 +116,63 @@ def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path) -> SplitResult:
         root=ref.root,
     )
     write_json_atomic(out / "summary.json", result.model_dump(mode="json"))
-    prune_old_caches(folder, keep=out)
+    clean_up(folder, keep=good_paths)
     return result
 
 
-def prune_old_caches(folder: Path, keep: Path, versions: int = CACHED_VERSIONS) -> list[Path]:
-    """Remove the decode caches of all but the newest `versions` dataset versions of a split.
+def _decode_checked(root: Path, pairs: list[tuple[str, str]], wanted: dict[int, list[str]],
+                    folder: Path, on_progress: Callable[[int, int], None]) -> list[ImageCheck]:
+    """Every file's check: from this decode pass, or from the store that decoded it before."""
+    outcomes = decode_into_stores(root, wanted, folder, on_progress)
+    stored: dict[str, bool] = {}
+    for side, relpaths in wanted.items():
+        store = DecodeStore(folder, side)
+        with store.locked(exclusive=False) as index:
+            known = [rel for rel in relpaths if rel not in outcomes]
+            stored.update(zip(known, store.lookup(index, known).grayscale, strict=True))
+    checks = []
+    for rel, _ in pairs:
+        if rel in outcomes:
+            o = outcomes[rel]
+            checks.append(ImageCheck(rel, ok=o.ok, grayscale=o.grayscale, reason=o.reason))
+        else:
+            checks.append(ImageCheck(rel, ok=True, grayscale=stored[rel]))
+    return checks
 
-    Each cache is the dataset again at its sizes (25,000 photos at 224 px: about 4 GB), and a
-    new version never reads an old one's; manifests and ledgers stay. A training still on an
-    old version keeps its memory map, or rebuilds the cache if it had not opened it yet.
+
+def _assignment(result: SplitResult) -> dict[str, str]:
+    return {rel: split for rel, _, split in read_manifest(result.manifest)}
+
+
+def _by_side(assignment: dict[str, str], sides: dict[str, int]) -> dict[int, list[str]]:
+    wanted: dict[int, list[str]] = defaultdict(list)
+    for rel, split in sorted(assignment.items()):
+        wanted[sides[split]].append(rel)
+    return dict(wanted)
+
+
+def _assign(pairs: list[tuple[str, str]], ledger: dict[str, str], spec: SplitSpec
+            ) -> dict[str, str]:
+    by_class: dict[str, list[str]] = defaultdict(list)
+    for rel, label in pairs:
+        by_class[label].append(rel)
+    assignment: dict[str, str] = {}
+    for files in by_class.values():
+        assignment.update(_assign_class(files, ledger, spec))
+    return assignment
+
+
+def clean_up(folder: Path, keep: set[str]) -> None:
+    """Keep a split folder's decoded images to the files it still lists and the sides in use.
+
+    Each store is the dataset again at one size (25,000 photos at 224 px: about 3.8 GB).
+    Per-version caches of the earlier layout (`<version>/cache`) are removed: nothing reads them.
     """
-    others = sorted((p for p in folder.glob("*/cache") if p.parent != keep),
-                    key=lambda p: p.stat().st_mtime, reverse=True)
-    removed = others[versions - 1:]
-    for cache in removed:
-        shutil.rmtree(cache, ignore_errors=True)
-    return removed
+    for legacy in folder.glob("*/cache"):
+        shutil.rmtree(legacy, ignore_errors=True)
+    for index in folder.glob("decoded/*px/index.json"):
+        compact(DecodeStore(folder, int(index.parent.name.removesuffix("px"))), keep)
+    prune_stores(folder)
 
 
 def _check_class_sizes(ref: DatasetRef, by_class: dict[str, list[str]], spec: SplitSpec) -> None:
