@@ -17,8 +17,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-OPTIONS = {"fp32, contiguous": {}, "fp32, channels_last": {"channels_last": True},
-           "bf16, contiguous": {"mixed_precision": "bf16"},
+OPTIONS = {"fp32, contiguous": {"channels_last": False},
+           "fp32, channels_last": {"channels_last": True},
+           "bf16, contiguous": {"mixed_precision": "bf16", "channels_last": False},
            "bf16, channels_last": {"mixed_precision": "bf16", "channels_last": True}}
 
 

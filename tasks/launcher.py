@@ -23,6 +23,8 @@ from training.config import TrainingSpec
 from training.engine.progress import ProgressReader
 from training.processes import free_port, kill_tree, tied_to_parent
 
+STARTUP_TIMEOUT_S = 180.0
+
 PORT_ATTEMPTS = 3
 PORT_TAKEN = ("EADDRINUSE", "address already in use")
 
@@ -117,9 +119,40 @@ class LaunchWatch:
     hang_timeout_s: float = 300.0
     # Interpreter, torch and rendezvous start-up report nothing; a busy machine can take a
     # while, so the hang clock is this generous until the first progress event arrives.
-    startup_timeout_s: float = 180.0
+    startup_timeout_s: float = STARTUP_TIMEOUT_S
     timeout_s: float | None = None
     events: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Watchdog:
+    """The hang and timeout clocks of a launch, on one machine or several.
+
+    Every progress event restarts the hang clock; until the first one, start-up (interpreters,
+    torch, rendezvous) is allowed `startup_timeout_s` when that is longer.
+    """
+
+    hang_timeout_s: float
+    startup_timeout_s: float
+    timeout_s: float | None = None
+    started: float = field(default_factory=time.monotonic)
+    last_progress: float = field(default_factory=time.monotonic)
+    progressed: bool = False
+
+    def progress(self) -> None:
+        self.progressed, self.last_progress = True, time.monotonic()
+
+    def check(self, describe: Callable[[], str]) -> None:
+        """Raise LaunchTimedOut or LaunchHung when a clock ran out; `describe` says where."""
+        now = time.monotonic()
+        if self.timeout_s and now - self.started > self.timeout_s:
+            raise LaunchTimedOut(f"the launch ran past its {self.timeout_s:g} s timeout and "
+                                 f"was stopped; {describe()}")
+        allowed = (self.hang_timeout_s if self.progressed
+                   else max(self.hang_timeout_s, self.startup_timeout_s))
+        if now - self.last_progress > allowed:
+            raise LaunchHung(f"no rank made progress for {allowed:g} s: the run is hung and "
+                             f"was stopped; {describe()}")
 
 
 def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch: LaunchWatch,
@@ -139,7 +172,7 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
 
     pump = threading.Thread(target=_pump, args=(proc, lines), daemon=True)
     pump.start()
-    started = last_progress = time.monotonic()
+    dog = Watchdog(watch.hang_timeout_s, watch.startup_timeout_s, watch.timeout_s)
     last_seen: dict[int, dict] = {}
     try:
         while True:
@@ -147,19 +180,11 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
             for event in reader.poll():
                 watch.events.append(event)
                 last_seen[event["rank"]] = event
-                last_progress = time.monotonic()
+                dog.progress()
                 watch.on_event(event)
             if proc.poll() is not None:
                 break
-            now = time.monotonic()
-            if watch.timeout_s and now - started > watch.timeout_s:
-                raise LaunchTimedOut(f"the launch ran past its {watch.timeout_s:g} s timeout and "
-                                     f"was stopped; {_describe(last_seen)}")
-            allowed = (watch.hang_timeout_s if last_seen
-                       else max(watch.hang_timeout_s, watch.startup_timeout_s))
-            if now - last_progress > allowed:
-                raise LaunchHung(f"no rank made progress for {allowed:g} s: the run "
-                                 f"is hung and was stopped; {_describe(last_seen)}")
+            dog.check(lambda: describe(last_seen))
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=0.2)  # wakes at once when the launch exits
         pump.join(timeout=5)
@@ -214,7 +239,7 @@ def _drain(lines: Queue, on_line: Callable[[str], None]) -> None:
             on_line(line)
 
 
-def _describe(last_seen: dict[int, dict]) -> str:
+def describe(last_seen: dict[int, dict]) -> str:
     if not last_seen:
         return "no rank reported any progress yet"
     parts = []

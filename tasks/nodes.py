@@ -28,7 +28,7 @@ from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
 from tasks import run_logger
-from tasks.launcher import LaunchFailed, LaunchHung, LaunchTimedOut, failure_message, launch
+from tasks.launcher import LaunchFailed, Watchdog, describe, failure_message, launch
 from tasks.network import (
     address_towards,
     check_main_address,
@@ -134,13 +134,15 @@ def watch(client, runs: dict[int, UUID], reader: ProgressReader, spec: TrainingS
           on_event: Callable[[dict], None]) -> list[dict]:
     """Every rank's events as they come; the first node to fail fails the training."""
     events: list[dict] = []
-    started = last_progress = time.monotonic()
+    last_seen: dict[int, dict] = {}
+    dog = Watchdog(spec.hang_timeout_s, NODE_STARTUP_S + spec.rendezvous_timeout_s,
+                   spec.timeout_s)
 
     def read_events() -> None:
-        nonlocal last_progress
         for event in reader.poll():
             events.append(event)
-            last_progress = time.monotonic()
+            last_seen[event["rank"]] = event
+            dog.progress()
             on_event(event)
 
     while True:
@@ -155,13 +157,7 @@ def watch(client, runs: dict[int, UUID], reader: ProgressReader, spec: TrainingS
         if all(state is not None and state.is_completed() for state in states.values()):
             read_events()
             return events
-        now = time.monotonic()
-        if spec.timeout_s and now - started > spec.timeout_s:
-            raise LaunchTimedOut(f"the launch ran past its {spec.timeout_s:g} s timeout")
-        allowed = spec.hang_timeout_s if events else max(
-            spec.hang_timeout_s, NODE_STARTUP_S + spec.rendezvous_timeout_s)
-        if now - last_progress > allowed:
-            raise LaunchHung(f"no rank on any machine made progress for {allowed:g} s")
+        dog.check(lambda: describe(last_seen))
         time.sleep(POLL_S)
 
 
