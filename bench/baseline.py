@@ -137,6 +137,7 @@ def main() -> None:
                               "val_accuracy": correct / total}), flush=True)
     if accelerator.is_main_process:
         save_model(accelerator.unwrap_model(model), str(job.output_dir / "model.safetensors"))
+    accelerator.end_training()  # the process group too: gloo can abort at exit without it
 
 
 if __name__ == "__main__":

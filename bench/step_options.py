@@ -19,6 +19,7 @@ from pathlib import Path
 
 OPTIONS = {"fp32, contiguous": {"channels_last": False},
            "fp32, channels_last": {"channels_last": True},
+           "fp32, channels_last, 1 loader worker": {"loader_workers": 1},
            "bf16, contiguous": {"mixed_precision": "bf16", "channels_last": False},
            "bf16, channels_last": {"mixed_precision": "bf16", "channels_last": True}}
 

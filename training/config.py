@@ -186,6 +186,10 @@ class TrainingSpec(Spec):
         True, description="NHWC memory layout for convolutions (measured 1.05-1.15x faster "
         "steps on CPU for basicnet, resnet18, mobilenet_v3_small, vgg16: bench/RESULTS.md).")
     compile: bool = Field(False, description="torch.compile the model (slow first epoch).")
+    loader_workers: int = Field(
+        0, ge=0, le=32, description="DataLoader worker processes per rank. 0 on CPU machines "
+        "(measured: a worker competes with the ranks for cores); on a GPU machine with cores to "
+        "spare, 2-4 overlap loading with compute. Batches are pinned on a GPU.")
     freeze_backbone: bool = Field(
         False, description="Train only the new classification head (with pretrained=true)."
     )

@@ -123,9 +123,13 @@ def make_loaders(job: TrainJob, accelerator: Accelerator, progress: ProgressWrit
     with accelerator.main_process_first():
         train = decode_split(job.split, "train", sides["train"], pre.channels, decoding("train"))
         val = decode_split(job.split, "val", sides["val"], pre.channels, decoding("val"))
-    return (DataLoader(CachedImages(train, pre.image_size, spec.augment),
-                       batch_size=spec.batch_size, shuffle=True),
-            DataLoader(CachedImages(val, pre.image_size, False), batch_size=spec.batch_size))
+    # Batches stay uint8 until the device (4x fewer bytes to copy); Normalize runs there.
+    loading = {"batch_size": spec.batch_size, "num_workers": spec.loader_workers,
+               "persistent_workers": spec.loader_workers > 0,
+               "pin_memory": accelerator.device.type == "cuda"}
+    return (DataLoader(CachedImages(train, pre.image_size, spec.augment), shuffle=True,
+                       **loading),
+            DataLoader(CachedImages(val, pre.image_size, False), **loading))
 
 
 def report_params(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: ProgressWriter,
