@@ -203,3 +203,28 @@ def test_a_completed_training_triggers_scoring_with_the_champion(stack):
     champion = stack.mlflow.get_model_version_by_alias("digits-classifier", "champion")
     assert scored[0].data.metrics["images"] == 1797 and scored[0].data.metrics["errors"] == 0
     assert scored[0].data.tags["trainflow.model_version"] == champion.version
+
+
+def test_a_flow_started_by_hand_uses_the_running_server(stack):
+    """The fast path: with `make services` up and PREFECT_API_URL set, `python -m
+    flows.train_flow` starts no temporary server, and its run is in the server's UI."""
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    params = {"dataset": {"source": "builtin:digits"}, "training": SMALL,
+              "registry": {"model_name": "by-hand"}}
+    done = subprocess.run([str(services.BIN / "python"), "-m", "flows.train_flow",
+                           json.dumps(params)],
+                          cwd=REPO, env=stack.env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert "temporary server" not in output.lower()
+    assert "Traceback" not in output
+    printed = done.stdout[done.stdout.index("{\n"):done.stdout.rindex("}") + 1]
+    mlflow_run_id = json.loads(printed)["mlflow_run_id"]
+    with prefect_client(stack) as client:
+        runs = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["train-flow"])))
+    by_hand = [r for r in runs if r.deployment_id is None and r.state.is_completed()]
+    assert by_hand, "the run is not on the running server"
+    tags = stack.mlflow.get_run(mlflow_run_id).data.tags
+    assert tags[FLOW_RUN_ID] in {str(r.id) for r in by_hand}

@@ -94,15 +94,18 @@ def _in_subprocess(root: Path, items: list[WorkItem],
 
     with tempfile.TemporaryDirectory(prefix="decode-") as tmp:
         work, results = Path(tmp) / "work.json", Path(tmp) / "outcomes.json"
+        errors = Path(tmp) / "stderr.txt"
         work.write_text(json.dumps({"root": str(root), "items": [asdict(i) for i in items]}))
         command = [sys.executable, "-m", "training.data.decode_pass", str(work), str(results)]
-        with subprocess.Popen(tied_to_parent(command), stdout=subprocess.PIPE, text=True) as proc:
+        with open(errors, "w") as stderr, subprocess.Popen(
+                tied_to_parent(command), stdout=subprocess.PIPE, stderr=stderr, text=True) as proc:
             for line in proc.stdout:
-                done, total = (int(n) for n in line.split())
-                on_progress(done, total)
+                numbers = line.split()
+                if len(numbers) == 2 and all(n.isdigit() for n in numbers):
+                    on_progress(int(numbers[0]), int(numbers[1]))
         if proc.returncode != 0:
-            raise RuntimeError(f"the decoding process failed (exit {proc.returncode}); "
-                               "its error is above")
+            tail = errors.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the decoding process failed (exit {proc.returncode}):\n{tail}")
         return [Outcome(**o) for o in json.loads(results.read_text())]
 
 
