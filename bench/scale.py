@@ -150,16 +150,61 @@ def train_side_by_side(root: Path, pairs: int, epochs: int) -> list[str]:
             "", f"- flow / script: **{f / b:.2f}x**"]
 
 
+def stage_profile(root: Path, epochs: int) -> list[str]:
+    """One whole flow, cold data: how long each of its task runs took (Prefect's own record)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.train_flow import train_flow
+
+    training = {"model": "resnet18", "image_size": SIZE, "batch_size": 64, "epochs": epochs,
+                "num_processes": 2}
+    home = Path(tempfile.mkdtemp(prefix="trainflow-bench-scale-"))
+    os.environ["TRAINFLOW_HOME"] = str(home)
+    try:
+        with prefect_test_harness(server_startup_timeout=120):
+            started = time.perf_counter()
+            state = train_flow(dataset={"source": str(root.parent), "labels": "filename",
+                                        "subdir": "train"},
+                               split={"val_fraction": 0.2, "test_fraction": 0.1},
+                               training=training, registry={"model_name": "profile"},
+                               return_state=True)
+            wall = time.perf_counter() - started
+            with get_client(sync_client=True) as client:
+                only_it = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+                tasks = client.read_task_runs(flow_run_filter=only_it)
+                history = state.result().trained.history
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    tasks.sort(key=lambda t: t.start_time)
+    total = sum(t.total_run_time.total_seconds() for t in tasks)
+    epochs_s = sum(e["epoch_seconds"] for e in history)
+    return ["", f"one whole flow, resnet18 {SIZE} px, {epochs} epochs, 2 processes: "
+            f"{wall:.0f} s wall", "", "| task run | s |", "|---|---|",
+            *(f"| {t.name.rsplit('-', 1)[0]} | {t.total_run_time.total_seconds():.1f} |"
+              for t in tasks),
+            f"| (all task runs) | {total:.1f} |",
+            f"| of which the training epochs themselves (train + validation, rank 0) "
+            f"| {epochs_s:.1f} |",
+            f"| outside any task run (engine, parameters, results) | {wall - total:.1f} |"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--images", type=int, default=25000)
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--train", action="store_true")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: one whole flow, each task run's time")
     args = parser.parse_args()
     logging.disable(logging.INFO)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     root = photos(args.images)
+    if args.profile:
+        print("\n".join(stage_profile(root, args.epochs)))
+        return
     lines = data_stages(root, args.pairs)
     print("\n".join(lines), flush=True)
     if args.train:

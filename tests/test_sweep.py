@@ -20,6 +20,10 @@ from training.storage import tracking_uri
 
 SMALL = {"epochs": 3, "image_size": 12, "batch_size": 50}
 SPACE = {"lr": {"log_uniform": [1e-7, 1e-2]}}
+# The base spec's lr, which learns, or one at which nothing is learnt: which trials the pruner
+# stops then depends neither on the machine's floating-point results nor on close calls.
+# (TPE's seeded start-up draws give trials 1-3 1e-3, 1e-9, 1e-9; trial 0 is the base spec.)
+LEARNS_OR_NOT = {"lr": {"choice": [1e-9, 1e-3]}}
 
 
 def _trials(storage: str) -> list[optuna.trial.FrozenTrial]:
@@ -32,12 +36,17 @@ def test_a_sweep_prunes_nests_its_runs_and_registers_the_best(prefect_engine, tm
     from flows.sweep_flow import sweep_flow
 
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
-    result = sweep_flow(dataset={"source": "builtin:digits"}, training=SMALL, search_space=SPACE,
-                        n_trials=4, registry={"model_name": "sweep-digits"}, storage=storage,
+    result = sweep_flow(dataset={"source": "builtin:digits"}, training=SMALL,
+                        search_space=LEARNS_OR_NOT, n_trials=4,
+                        registry={"model_name": "sweep-digits"}, storage=storage,
                         pruning_warmup_epochs=0)  # 3 epochs: judge from the first
     trials = _trials(storage)
     states = [t.state for t in trials]
     assert len(trials) == 4 and TrialState.PRUNED in states and TrialState.COMPLETE in states
+    for trial in trials[2:]:  # after the pruner's 2 start-up trials: stopped at the first epoch
+        learns = trial.params["lr"] == 1e-3
+        assert trial.state == (TrialState.COMPLETE if learns else TrialState.PRUNED)
+        assert trial.user_attrs["epochs_run"] == (3 if learns else 1)
     assert trials[0].params == {"lr": 1e-3}  # the base spec first: never worse than no sweep
     assert result.sweep.trials["PRUNED"] == states.count(TrialState.PRUNED)
     pruned = [t for t in trials if t.state == TrialState.PRUNED]
