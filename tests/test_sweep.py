@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 from optuna.trial import TrialState
 
 from tasks.lineage import FLOW_RUN_ID
-from tasks.sweep import TRIAL_STATE
+from tasks.sweep import TRIAL_STATE, open_storage
 from training.storage import tracking_uri
 
 SMALL = {"epochs": 3, "image_size": 12, "batch_size": 50}
@@ -26,9 +26,43 @@ SPACE = {"lr": {"log_uniform": [1e-7, 1e-2]}}
 LEARNS_OR_NOT = {"lr": {"choice": [1e-9, 1e-3]}}
 
 
-def _trials(storage: str) -> list[optuna.trial.FrozenTrial]:
+def _trials(url: str) -> list[optuna.trial.FrozenTrial]:
+    storage = open_storage(url)  # the flow may be creating the same storage right now
     [summary] = optuna.get_all_study_summaries(storage)
     return optuna.load_study(study_name=summary.study_name, storage=storage).trials
+
+
+RACER = """
+import sys, time
+from pathlib import Path
+from tasks.sweep import open_storage
+folder, rounds = Path(sys.argv[1]), int(sys.argv[2])
+(folder / f"ready-{sys.argv[3]}").touch()
+while not (folder / "t0").exists():
+    time.sleep(0.01)
+t0 = float((folder / "t0").read_text())
+for r in range(rounds):
+    while time.time() < t0 + 0.5 * r:
+        pass
+    open_storage(f"sqlite:///{folder / f'optuna-{r}.db'}")
+"""
+
+
+def test_processes_creating_one_storage_at_the_same_instant_all_open_it(tmp_path):
+    """Three processes open each of 10 new SQLite storages at the same instant. Optuna's own
+    creation lost this race in 10 of 20 rounds (UNIQUE constraint failed: alembic_version)."""
+    rounds, racers = 10, 3
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path), str(rounds), str(i)],
+                              stderr=subprocess.PIPE, text=True) for i in range(racers)]
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("ready-*"))) < racers and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (tmp_path / "t0.tmp").write_text(str(time.time() + 0.5))
+    (tmp_path / "t0.tmp").rename(tmp_path / "t0")
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * racers, "\n".join(errors)[-3000:]
+    for r in range(rounds):
+        assert optuna.storages.RDBStorage(f"sqlite:///{tmp_path / f'optuna-{r}.db'}")
 
 
 @pytest.mark.slow
