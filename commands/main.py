@@ -3,6 +3,7 @@
     trainflow services start|stop [--folder .services]   # Prefect + MLflow servers, a worker
     trainflow predict IMAGE... [--model NAME --alias champion]
     trainflow rerun MODEL_NAME VERSION [--deployment train-flow/digits]
+    trainflow champion MODEL_NAME VERSION [--reason "..."]   # rollback, or a person's choice
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import importlib
 import sys
 
 COMMANDS = {"services": "commands.services", "predict": "commands.predict",
-            "rerun": "commands.rerun"}
+            "rerun": "commands.rerun", "champion": "commands.champion"}
 
 
 def main(argv: list[str] | None = None) -> None:

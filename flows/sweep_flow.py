@@ -23,8 +23,9 @@ from pydantic import BaseModel
 from tasks.data import prepare_dataset, split_dataset
 from tasks.evaluate import Evaluation, evaluate_model
 from tasks.lineage import lineage_tags
+from tasks.parameters import BLOCKS, resolve_parameters
 from tasks.preflight import check_before_start
-from tasks.register import Registration, register_model
+from tasks.register import Registration, apply_approval, ask_for_approval, register_model
 from tasks.sweep import SweepSummary, run_trials
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run
 from training.config import DatasetSpec, Distribution, RegistrySpec, SplitSpec, SweepSpec, TrainingSpec
@@ -38,7 +39,8 @@ class SweepResult(BaseModel):
     registration: Registration
 
 
-@flow(name="sweep-flow", log_prints=True)
+# Parameters are validated in resolve_parameters, after the deployment's are laid under them.
+@flow(name="sweep-flow", log_prints=True, validate_parameters=False)
 def sweep_flow(
     dataset: DatasetSpec,
     search_space: dict[str, Distribution],
@@ -51,6 +53,9 @@ def sweep_flow(
     storage: str | None = None,
     pruning_warmup_epochs: int = 1,
 ) -> SweepResult:
+    specs = resolve_parameters({"dataset": dataset, "split": split, "training": training,
+                                "registry": registry})
+    dataset, split, training, registry = (specs[k] for k in BLOCKS)
     sweep = SweepSpec(search_space=search_space, n_trials=n_trials,
                       max_concurrency=max_concurrency, budget_s=budget_s,
                       pruning_warmup_epochs=pruning_warmup_epochs)
@@ -65,6 +70,9 @@ def sweep_flow(
         lineage = lineage_tags(dataset, split, best.job.training, registry, source, data)
         evaluation = evaluate_model(best, summary.best_run_id)
         registration = register_model(best, evaluation, registry, summary.best_run_id, lineage)
+        if registration.awaiting_approval:
+            answer = ask_for_approval(registration, registry.approval_timeout_s)
+            registration = apply_approval(registration, answer)
     close_mlflow_run(run_id, "FINISHED")
     return SweepResult(mlflow_run_id=run_id, sweep=summary, evaluation=evaluation,
                        registration=registration)

@@ -21,8 +21,9 @@ from pydantic import BaseModel
 from tasks.data import prepare_dataset, split_dataset
 from tasks.evaluate import Evaluation, evaluate_model
 from tasks.lineage import find_unchanged_champion, lineage_tags
+from tasks.parameters import BLOCKS, resolve_parameters
 from tasks.preflight import check_before_start
-from tasks.register import Registration, register_model
+from tasks.register import Registration, apply_approval, ask_for_approval, register_model
 from tasks.report import publish_report
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run
 from tasks.train import train_model
@@ -40,7 +41,8 @@ class FlowResult(BaseModel):
     registration: Registration | None = None
 
 
-@flow(name="train-flow", log_prints=True)
+# Parameters are validated in resolve_parameters, after the deployment's are laid under them.
+@flow(name="train-flow", log_prints=True, validate_parameters=False)
 def train_flow(
     dataset: DatasetSpec,
     split: SplitSpec = SplitSpec(),  # noqa: B008  (frozen pydantic models: safe defaults)
@@ -48,6 +50,9 @@ def train_flow(
     registry: RegistrySpec = RegistrySpec(),  # noqa: B008
     force: bool = False,
 ) -> FlowResult:
+    specs = resolve_parameters({"dataset": dataset, "split": split, "training": training,
+                                "registry": registry})
+    dataset, split, training, registry = (specs[k] for k in BLOCKS)
     check_before_start(dataset, training)
     source = prepare_dataset(dataset)
     data = split_dataset(source, split, split_sides(training))
@@ -60,6 +65,9 @@ def train_flow(
         trained = train_model(data, training, run_dir / "train", run_id, tracking_uri())
         evaluation = evaluate_model(trained, run_id)
         registration = register_model(trained, evaluation, registry, run_id, lineage)
+        if registration.awaiting_approval:
+            answer = ask_for_approval(registration, registry.approval_timeout_s)
+            registration = apply_approval(registration, answer)
         publish_report(source, data, trained, evaluation, registration, run_id)
     close_mlflow_run(run_id, "FINISHED")
     return FlowResult(mlflow_run_id=run_id, trained=trained, evaluation=evaluation,

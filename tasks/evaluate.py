@@ -19,10 +19,18 @@ from training.handoff import TrainResult
 from training.storage import tracking_uri
 
 
+class ClassFigures(BaseModel):
+    precision: float
+    recall: float
+    f1: float
+    support: int
+    """test images of this class"""
+
+
 class Evaluation(BaseModel):
     metrics: dict[str, float]
     """accuracy, loss, macro_f1 (and roc_auc for two classes) on the test split"""
-    per_class: dict[str, dict[str, float]]
+    per_class: dict[str, ClassFigures]
     images: int
     output_dir: Path
     predictions: Path

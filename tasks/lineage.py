@@ -82,7 +82,8 @@ def lineage_tags(dataset: DatasetSpec, split: SplitSpec, training: TrainingSpec,
                                      "training": training.model_dump(),
                                      "registry": registry.model_dump()}),
     }
-    if url := flow_run.get_flow_run_ui_url():
+    # Without PREFECT_UI_URL (a temporary server) Prefect builds "None/flow-runs/...".
+    if (url := flow_run.get_flow_run_ui_url()) and url.startswith("http"):
         tags[FLOW_RUN_URL] = url
     return tags
 

@@ -6,6 +6,7 @@ import contextlib
 import csv
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import mlflow
@@ -13,10 +14,12 @@ import torch
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from prefect import task
-from pydantic import BaseModel
+from prefect.input import RunInput
+from pydantic import BaseModel, Field
 
 from tasks import run_logger
 from tasks.evaluate import Evaluation
+from tasks.gate import SameImages, champion_class_names, one_decision_at_a_time, score_champion
 from tasks.lineage import CHALLENGER, CHAMPION, FLOW_RUN_ID, champion_version, metric_tag
 from training.config import RegistrySpec
 from training.data.split import read_manifest
@@ -31,7 +34,14 @@ PREDICTIONS_RUN_ID = "trainflow.predictions_run_id"
 PROMOTION = "trainflow.promotion"
 PROMOTION_REASON = "trainflow.promotion_reason"
 CHAMPION_VALUE = "trainflow.champion_value_at_decision"
+"""The champion's metric on the challenger's test images, at the decision."""
+COMPARED_WITH = "trainflow.compared_with_version"
+COMPARED_IMAGES = "trainflow.compared_images"
 MCNEMAR_P_VALUE = "trainflow.mcnemar_p_value"
+DECIDED_AT = "trainflow.decided_at"
+"""When the gate decided (Unix seconds): decisions replay in this order."""
+APPROVAL = "trainflow.approval"
+"""auto, or a person's answer: approved / rejected / no answer, with their comment"""
 TEST_METRICS = "trainflow.test_metrics"
 # Below this many test images in a class, a few images' difference is noise.
 MIN_TEST_IMAGES_PER_CLASS = 30
@@ -45,9 +55,29 @@ class Registration(BaseModel):
     reason: str
     metric: str
     value: float
+    champion_version: str | None = None
+    """The champion this version was compared with (None: there was none)."""
     champion_value: float | None = None
+    """The champion's metric on this version's test images."""
+    compared_images: int | None = None
     p_value: float | None = None
     warning: str | None = None
+    awaiting_approval: bool = False
+    """Passed the gate with registry.approval=manual: the flow asks a person."""
+
+    def description(self) -> str:
+        """One sentence for the version's page, e.g. `v2: 0.7120 vs champion v1 0.3090 on the
+        same 450 test images (McNemar p=1e-09): promoted, ...`."""
+        text = f"v{self.version}: test_{self.metric} {self.value:.4f}"
+        if self.champion_version is not None and self.champion_value is not None:
+            text += (f" vs champion v{self.champion_version} {self.champion_value:.4f} on the "
+                     f"same {self.compared_images} test images")
+            if self.p_value is not None:
+                text += f" (McNemar p={self.p_value:.2g})"
+        outcome = ("passed the gate, waiting for approval" if self.awaiting_approval
+                   else "promoted" if self.promoted else "not promoted")
+        warning = f" Warning: {self.warning}." if self.warning else ""
+        return f"{text}: {outcome}, {self.reason}.{warning}"
 
 
 def log_model(trained: TrainResult, run_id: str) -> str:
@@ -91,18 +121,19 @@ def log_model(trained: TrainResult, run_id: str) -> str:
     return model_info.model_uri
 
 
-def mcnemar_p_value(ours: Path, theirs: Path) -> float:
+def correctness(predictions: Path) -> dict[str, int]:
+    """path -> 1 if right, from the evaluation's predictions.csv."""
+    with open(predictions, newline="") as f:
+        return {row["path"]: int(row["correct"]) for row in csv.DictReader(f)}
+
+
+def mcnemar_p_value(ours: dict[str, int], theirs: dict[str, int]) -> float:
     """Exact McNemar test on two models' correctness over the same test images."""
     from scipy.stats import binomtest
 
-    def correct(path: Path) -> dict[str, int]:
-        with open(path, newline="") as f:
-            return {row["path"]: int(row["correct"]) for row in csv.DictReader(f)}
-
-    a, b = correct(ours), correct(theirs)
-    common = a.keys() & b.keys()
-    only_ours = sum(1 for p in common if a[p] and not b[p])
-    only_theirs = sum(1 for p in common if b[p] and not a[p])
+    common = ours.keys() & theirs.keys()
+    only_ours = sum(1 for p in common if ours[p] and not theirs[p])
+    only_theirs = sum(1 for p in common if theirs[p] and not ours[p])
     if only_ours + only_theirs == 0:
         return 1.0
     return float(binomtest(only_ours, only_ours + only_theirs, 0.5).pvalue)
@@ -117,7 +148,7 @@ def beats_chance(evaluation: Evaluation, level: float | None) -> tuple[bool, str
     from scipy.stats import binomtest
 
     n = evaluation.images
-    majority = max(c["support"] for c in evaluation.per_class.values()) / n
+    majority = max(c.support for c in evaluation.per_class.values()) / n
     correct = round(evaluation.metrics["accuracy"] * n)
     p = float(binomtest(correct, n, majority, alternative="greater").pvalue)
     ok = correct / n > majority and (level is None or p < level)
@@ -126,7 +157,7 @@ def beats_chance(evaluation: Evaluation, level: float | None) -> tuple[bool, str
 
 
 def small_test_warning(evaluation: Evaluation) -> str | None:
-    smallest, name = min((c["support"], k) for k, c in evaluation.per_class.items())
+    smallest, name = min((c.support, k) for k, c in evaluation.per_class.items())
     if smallest >= MIN_TEST_IMAGES_PER_CLASS:
         return None
     return (f"the test split has only {smallest} images of class {name!r}: differences of a "
@@ -134,8 +165,8 @@ def small_test_warning(evaluation: Evaluation) -> str | None:
             "or add images")
 
 
-def decide(spec: RegistrySpec, value: float, champion, p_value: float | None,
-           chance: tuple[bool, str]) -> tuple[bool, str]:
+def decide(spec: RegistrySpec, value: float, champion: SameImages | None,
+           p_value: float | None, chance: tuple[bool, str]) -> tuple[bool, str]:
     if not spec.promote:
         return False, "promotion disabled (registry.promote=false)"
     beats, versus = chance
@@ -143,7 +174,7 @@ def decide(spec: RegistrySpec, value: float, champion, p_value: float | None,
         return False, f"no better than chance: {versus}"
     if champion is None:
         return True, "no champion yet"
-    best = float(champion.tags[metric_tag(spec.metric)])
+    best = champion.metrics[spec.metric]
     gain = value - best
     if gain <= 0 or gain < spec.min_improvement:
         return False, (f"test_{spec.metric} {value:.4f} does not beat champion v{champion.version} "
@@ -154,10 +185,61 @@ def decide(spec: RegistrySpec, value: float, champion, p_value: float | None,
     return True, f"test_{spec.metric} {value:.4f} beats champion v{champion.version} ({best:.4f})"
 
 
+def judge(trained: TrainResult, evaluation: Evaluation, registry: RegistrySpec, version: str,
+          champion, logger) -> Registration:
+    """The gate's decision against `champion` (the current one, or None), on the same images."""
+    metric, value = registry.metric, evaluation.metrics[registry.metric]
+    warning = small_test_warning(evaluation)
+    common = {"model_name": registry.model_name, "version": version, "aliases": [],
+              "metric": metric, "value": value, "warning": warning}
+    if champion is not None and registry.promote:
+        theirs = champion_class_names(registry.model_name, champion.version)
+        if theirs != trained.class_names:
+            # Scores over different label sets measure different tasks: never compared blindly.
+            return Registration(**common, promoted=False, champion_version=str(champion.version),
+                                reason=f"champion v{champion.version} predicts the classes "
+                                f"{theirs}, this data has {trained.class_names}: not compared, "
+                                "so not promoted automatically; make it champion by hand with "
+                                f"`trainflow champion {registry.model_name} {version}`")
+    same = score_champion(champion, trained, logger) if champion and registry.promote else None
+    p_value = None
+    if same is not None and registry.significance is not None:
+        p_value = mcnemar_p_value(correctness(evaluation.predictions), same.correct)
+    promoted, reason = decide(registry, value, same, p_value,
+                              beats_chance(evaluation, registry.significance))
+    manual = promoted and registry.approval == "manual"
+    return Registration(**common, promoted=promoted and not manual, awaiting_approval=manual,
+                        reason=reason, p_value=p_value,
+                        champion_version=same.version if same else None,
+                        champion_value=same.metrics[metric] if same else None,
+                        compared_images=same.images if same else None)
+
+
+def record(client: MlflowClient, registration: Registration, approval: str) -> Registration:
+    """The decision on the version (tags and description), then the aliases it earned."""
+    r = registration
+    tags = {PROMOTION: "promoted" if r.promoted else "not promoted", PROMOTION_REASON: r.reason,
+            APPROVAL: approval, DECIDED_AT: repr(time.time())}
+    if r.champion_version is not None:
+        tags[COMPARED_WITH] = r.champion_version
+    if r.champion_value is not None:
+        tags[CHAMPION_VALUE] = repr(r.champion_value)
+        tags[COMPARED_IMAGES] = str(r.compared_images)
+    if r.p_value is not None:
+        tags[MCNEMAR_P_VALUE] = repr(r.p_value)
+    for key, tag in tags.items():
+        client.set_model_version_tag(r.model_name, r.version, key, tag)
+    client.update_model_version(r.model_name, r.version, description=r.description())
+    if r.promoted:
+        client.set_registered_model_alias(r.model_name, CHAMPION, r.version)
+    aliases = client.get_model_version(r.model_name, r.version).aliases
+    return r.model_copy(update={"aliases": sorted(aliases)})
+
+
 @task(retries=2, retry_delay_seconds=3)
 def register_model(trained: TrainResult, evaluation: Evaluation, registry: RegistrySpec,
                    mlflow_run_id: str, lineage: dict[str, str]) -> Registration:
-    """Register a version (once per flow run) and move `champion` only for a better model."""
+    """Register a version (once per flow run); move `champion` only for a better model."""
     logger = run_logger()
     mlflow.set_tracking_uri(tracking_uri())  # the fluent API below reads the global URI
     client = MlflowClient(tracking_uri())
@@ -175,52 +257,82 @@ def register_model(trained: TrainResult, evaluation: Evaluation, registry: Regis
         tags = {**lineage, METRIC: metric, PREDICTIONS_RUN_ID: mlflow_run_id,
                 metric_tag(metric): repr(value), TEST_METRICS: json.dumps(evaluation.metrics)}
         version = mlflow.register_model(model_uri, name, tags=tags)
-
-    champion = champion_version(client, name)
-    p_value = None
-    if registry.significance is not None and champion is not None:
-        theirs = Path(client.download_artifacts(champion.tags[PREDICTIONS_RUN_ID],
-                                                "evaluation/predictions.csv"))
-        p_value = mcnemar_p_value(evaluation.predictions, theirs)
-    promoted, reason = decide(registry, value, champion, p_value,
-                              beats_chance(evaluation, registry.significance))
-    if warning := small_test_warning(evaluation):
-        logger.warning("%s", warning)
-    champion_value = float(champion.tags[metric_tag(metric)]) if champion is not None else None
-    # The decision is tagged before the alias moves, so that a concurrent promoter's
-    # reconciliation below can already see it.
-    for key, tag in {PROMOTION: "promoted" if promoted else "not promoted",
-                     PROMOTION_REASON: reason, CHAMPION_VALUE: repr(champion_value),
-                     MCNEMAR_P_VALUE: repr(p_value)}.items():
-        client.set_model_version_tag(name, version.version, key, tag)
-    client.update_model_version(name, version.version, description=(
-        f"v{version.version} {'became champion' if promoted else 'was not promoted'}: {reason}."
-        + (f" Warning: {warning}." if warning else "")))
-    client.set_registered_model_alias(name, CHALLENGER, version.version)
-    if promoted:
-        client.set_registered_model_alias(name, CHAMPION, version.version)
-        keep_best_champion(client, name, metric)
-    aliases = client.get_model_version(name, version.version).aliases
-    logger.info("%s v%s: %s (%s)", name, version.version,
-                "promoted to champion" if promoted else "challenger", reason)
-    return Registration(model_name=name, version=str(version.version), aliases=list(aliases),
-                        promoted=promoted, reason=reason, metric=metric, value=value,
-                        champion_value=champion_value, p_value=p_value, warning=warning)
+    with one_decision_at_a_time(name):
+        champion = champion_version(client, name)
+        registration = judge(trained, evaluation, registry, str(version.version), champion,
+                             logger)
+        registration = record(client, registration, "auto" if registry.approval == "auto"
+                              else "waiting" if registration.awaiting_approval else "not asked")
+        client.set_registered_model_alias(name, CHALLENGER, version.version)
+    if registration.warning:
+        logger.warning("%s", registration.warning)
+    logger.info("%s", registration.description())
+    return registration.model_copy(update={"aliases": sorted(
+        client.get_model_version(name, registration.version).aliases)})
 
 
-def keep_best_champion(client: MlflowClient, name: str, metric: str) -> None:
-    """After a promotion, hand `champion` to the best promoted version on record.
+class Approval(RunInput):
+    """A person's answer to a challenger that passed the gate (registry.approval=manual)."""
 
-    Two runs can read the same old champion and both decide to promote; whichever sets the
-    alias last would win, worse or not. Each promoter tags its decision before moving the
-    alias and reconciles after it, so the last one to reconcile sees every promotion and the
-    better model ends as champion, judged by the metric recorded on each version.
+    approve: bool = Field(description="Make this version champion?")
+    comment: str = Field("", description="Why; recorded on the version.")
+
+
+def ask_for_approval(registration: Registration, timeout_s: int) -> Approval | None:
+    """Pause the flow run until a person answers in the Prefect UI (None: no answer in time).
+
+    Called from the flow itself: only a flow run can be paused, not a task.
     """
-    promoted = client.search_model_versions(f"name='{name}' and tags.`{PROMOTION}`='promoted'")
-    if not promoted:
-        return
-    best = max(promoted, key=lambda v: (float(v.tags.get(metric_tag(metric), "-inf")),
-                                        int(v.version)))
-    holder = champion_version(client, name)
-    if holder is None or str(holder.version) != str(best.version):
-        client.set_registered_model_alias(name, CHAMPION, best.version)
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import FlowPauseTimeout
+    from prefect.flow_runs import pause_flow_run
+    from prefect.runtime import flow_run
+    from prefect.states import Running
+
+    run_logger().info("%s v%s passed the gate; waiting up to %d s for a person to approve or "
+                      "reject it (Prefect UI: this flow run, Resume)", registration.model_name,
+                      registration.version, timeout_s)
+    try:
+        return pause_flow_run(wait_for_input=Approval, timeout=timeout_s,
+                              poll_interval=min(10, max(1, timeout_s // 4)),
+                              key=f"approve-v{registration.version}")
+    except FlowPauseTimeout:
+        # The server still shows the run paused; it goes on to record that nobody answered.
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run.get_id(), Running(), force=True)
+        return None
+
+
+@task
+def apply_approval(registration: Registration, answer: Approval | None) -> Registration:
+    """Promote on a person's yes, if the champion it was compared with is still champion."""
+    client = MlflowClient(tracking_uri())
+    r = registration.model_copy(update={"awaiting_approval": False})
+    with one_decision_at_a_time(r.model_name):
+        current = champion_version(client, r.model_name)
+        now = str(current.version) if current is not None else None
+        if answer is None:
+            r = r.model_copy(update={"reason": f"{r.reason}; no answer to the approval request "
+                                     "in time, so not promoted"})
+            approval = "no answer"
+        elif not answer.approve:
+            r = r.model_copy(update={"reason": f"{r.reason}; rejected by a person"
+                                     + (f": {answer.comment}" if answer.comment else "")})
+            approval = "rejected"
+        elif now != r.champion_version:
+            r = r.model_copy(update={"reason": f"{r.reason}; approved, but the champion became "
+                                     f"v{now} while waiting, so not promoted: run again to "
+                                     "compare with it"})
+            approval = "approved"
+        else:
+            r = r.model_copy(update={"promoted": True, "reason": f"{r.reason}; approved by a "
+                                     "person" + (f": {answer.comment}" if answer.comment else "")})
+            approval = "approved"
+        if answer is not None and answer.comment:
+            client.set_model_version_tag(r.model_name, r.version, "trainflow.approval_comment",
+                                         answer.comment)
+        r = record(client, r, approval)
+        client.set_model_version_tag(r.model_name, r.version, "trainflow.approved_at",
+                                     time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    run_logger().info("%s", r.description())
+    return r

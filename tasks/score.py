@@ -110,32 +110,49 @@ def find_images(images: str, subdir: str | None = None) -> Images:
     return Images(source=images, root=root, paths=paths)
 
 
-@task(retries=1, retry_delay_seconds=2)
-def score_images(model: ScoringModel, images: Images, out: Path,
-                 num_processes: int | str = "auto") -> Scores:
-    """Every image scored exactly once, by every process (GPU) of this machine."""
-    logger = run_logger()
+class Scored(BaseModel):
+    predictions: Path
+    """predictions.csv, its paths relative to the scored root"""
+    images: int
+    errors: int
+    world_size: int
+    seconds: float
+
+
+def score_files(model_dir: Path, paths: list[Path], root: Path, out: Path, spec: TrainingSpec,
+                logger) -> Scored:
+    """Score every file exactly once with a downloaded model, under `accelerate launch` with
+    `spec`'s launch fields (every GPU of this machine): predict-flow and the gate alike."""
     listing = out / "images.txt"
-    write_text_atomic(listing, "".join(f"{p}\n" for p in images.paths))
-    spec = TrainingSpec(num_processes=num_processes)  # only its launch fields are used
+    write_text_atomic(listing, "".join(f"{p}\n" for p in paths))
     started = time.perf_counter()
-    events = launch(spec, "training.score", ["--model", str(model.local_path), "--images",
-                                             str(listing), "--out", str(out)], out, logger,
-                    on_event=lambda event: None)
+    events = launch(spec.on_this_machine(), "training.score",
+                    ["--model", str(model_dir), "--images", str(listing), "--out", str(out)],
+                    out, logger, on_event=lambda event: None)
     seconds = time.perf_counter() - started
     done = [e for e in events if e["event"] == "done" and e["rank"] == 0 and e.get("scored")]
     if not done:
         raise RuntimeError("scoring exited cleanly but rank 0 reported no predictions")
     scored = done[-1]["scored"]
-    if scored["images"] != len(images.paths):
-        raise RuntimeError(f"scored {scored['images']} images of {len(images.paths)}")
-    predictions = _relative_paths(Path(scored["predictions"]), images.root)
+    if scored["images"] != len(paths):
+        raise RuntimeError(f"scored {scored['images']} images of {len(paths)}")
+    return Scored(predictions=_relative_paths(Path(scored["predictions"]), root),
+                  images=scored["images"], errors=scored["errors"],
+                  world_size=done[-1]["world_size"], seconds=seconds)
+
+
+@task(retries=1, retry_delay_seconds=2)
+def score_images(model: ScoringModel, images: Images, out: Path,
+                 num_processes: int | str = "auto") -> Scores:
+    """Every image scored exactly once, by every process (GPU) of this machine."""
+    spec = TrainingSpec(num_processes=num_processes)  # only its launch fields are used
+    scored = score_files(model.local_path, images.paths, images.root, out, spec, run_logger())
     submission = None
     if any(slug in images.source for slug in DOGS_VS_CATS) and "dog" in model.class_names:
-        submission = kaggle_submission(predictions, out / "submission.csv")
-    return Scores(predictions=predictions, submission=submission, images=scored["images"],
-                  errors=scored["errors"], images_per_second=scored["images"] / seconds,
-                  world_size=done[-1]["world_size"])
+        submission = kaggle_submission(scored.predictions, out / "submission.csv")
+    return Scores(predictions=scored.predictions, submission=submission, images=scored.images,
+                  errors=scored.errors, images_per_second=scored.images / scored.seconds,
+                  world_size=scored.world_size)
 
 
 def _relative_paths(predictions: Path, root: Path) -> Path:

@@ -12,14 +12,15 @@ from mlflow import MlflowClient
 
 from tasks.evaluate import evaluate_model
 from tasks.lineage import DATASET_FINGERPRINT, FLOW_RUN_ID, MANIFEST_SHA256, metric_tag
-from tasks.register import CHAMPION_VALUE, PROMOTION, register_model
+from tasks.register import CHAMPION_VALUE, COMPARED_WITH, PROMOTION, register_model
 from tasks.train import run_training
 from tests.servers import mlflow_server
 from training.config import RegistrySpec
 from training.data.split import read_manifest
 from training.handoff import TrainJob
 
-pytestmark = pytest.mark.slow
+# The gate holds a Prefect global concurrency slot per model name: a real Prefect API.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_engine")]
 NAME = "digits-test"
 
 
@@ -64,12 +65,19 @@ def _gate_story(models, client):
 
     better_eval, third = _register(models, "better", client)
     assert better_eval.metrics["accuracy"] > good_eval.metrics["accuracy"]
-    assert third.promoted is True and third.champion_value == good_eval.metrics["accuracy"]
+    # v1 scored again by the served model on the same test images: its evaluation's figure
+    # (a near-tie may flip under another thread count: one image at most).
+    assert third.promoted is True and third.champion_version == "1"
+    assert third.compared_images == good_eval.images
+    assert abs(third.champion_value - good_eval.metrics["accuracy"]) <= 1 / good_eval.images
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == "3"
     tags = client.get_model_version(NAME, "3").tags
     assert tags[PROMOTION] == "promoted"
     assert float(tags[metric_tag("accuracy")]) == better_eval.metrics["accuracy"]
-    assert float(tags[CHAMPION_VALUE]) == good_eval.metrics["accuracy"]
+    assert float(tags[CHAMPION_VALUE]) == third.champion_value
+    assert client.get_model_version(NAME, "3").description.startswith(
+        f"v3: test_accuracy {better_eval.metrics['accuracy']:.4f} vs champion v1 "
+        f"{third.champion_value:.4f} on the same {good_eval.images} test images (McNemar p=")
     assert tags[FLOW_RUN_ID] == "flow-better" and tags[DATASET_FINGERPRINT] == "fp"
     assert client.get_model_version(NAME, "2").tags[PROMOTION] == "not promoted"
 
@@ -151,7 +159,7 @@ def test_a_chance_level_model_is_never_promoted(models, tmp_path, monkeypatch):
     split, trained = models
     run_id = client.create_run(client.create_experiment("chance")).info.run_id
     evaluation = evaluate_model.fn(trained["worse"], run_id)
-    majority = max(c["support"] for c in evaluation.per_class.values()) / evaluation.images
+    majority = max(c.support for c in evaluation.per_class.values()) / evaluation.images
     chance = evaluation.model_copy(update={"metrics": {**evaluation.metrics,
                                                        "accuracy": majority}})
     reg = register_model.fn(trained["worse"], chance, RegistrySpec(model_name=NAME), run_id,
@@ -162,7 +170,8 @@ def test_a_chance_level_model_is_never_promoted(models, tmp_path, monkeypatch):
     assert reg.aliases == ["challenger"]  # and no champion at all
     assert client.get_registered_model(NAME).aliases.keys() == {"challenger"}
     version = client.get_model_version(NAME, reg.version)
-    assert version.description.startswith(f"v{reg.version} was not promoted: no better than chance")
+    assert version.description.startswith(
+        f"v{reg.version}: test_accuracy {majority:.4f}: not promoted, no better than chance")
 
 
 def test_a_noise_level_gain_leaves_the_champion_alone(models, tmp_path, monkeypatch):
@@ -196,3 +205,117 @@ def test_a_noise_level_gain_leaves_the_champion_alone(models, tmp_path, monkeypa
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == first.version
     assert "it may be noise" in client.get_model_version(NAME, reg.version).description
 
+
+
+def _register_result(client, result, flow_run_id, registry=None):
+    run_id = client.create_run(client.create_experiment(f"e-{flow_run_id}")).info.run_id
+    evaluation = evaluate_model.fn(result, run_id)
+    lineage = {FLOW_RUN_ID: flow_run_id, DATASET_FINGERPRINT: "fp",
+               MANIFEST_SHA256: result.job.split.manifest_sha256}
+    return evaluation, register_model.fn(result, evaluation,
+                                         registry or RegistrySpec(model_name=NAME), run_id, lineage)
+
+
+def test_the_champion_is_scored_on_the_challengers_test_images(models, digits_split, session_home,
+                                                                tmp_path, monkeypatch):
+    """Another split (as after grown data): v1 is judged on v2's test images, not its own."""
+    import mlflow
+    import pandas as pd
+
+    from training.config import SplitSpec
+    from training.data.split import split_dataset
+
+    client = _sqlite_client(tmp_path, monkeypatch)
+    ref, _ = digits_split
+    other = split_dataset(ref, SplitSpec(seed=7), session_home)
+    job = TrainJob(split=other, output_dir=tmp_path / "other" / "train",
+                   training={"image_size": 12, "num_processes": 1, "batch_size": 32, "epochs": 1})
+    challenger = run_training(job, logging.getLogger("t"))
+    _, first = _register(models, "good", client)
+
+    # Never promoted (min_improvement 1), so every registration below faces v1.
+    never = RegistrySpec(model_name=NAME, min_improvement=1.0)
+    evaluation, second = _register_result(client, challenger, "flow-other-split", never)
+    tests = [(p, label) for p, label, s in read_manifest(other.manifest) if s == "test"]
+    theirs = {p for p, _, s in read_manifest(models[0].manifest) if s == "test"}
+    assert {p for p, _ in tests} != theirs  # a different exam
+    assert second.champion_version == first.version and second.compared_images == len(tests)
+    # The figure the gate used is v1's own accuracy on these images, through the served model.
+    v1 = mlflow.pyfunc.load_model(f"models:/{NAME}/{first.version}")
+    frame = v1.predict(pd.DataFrame({"image": [(other.root / p).read_bytes() for p, _ in tests]}))
+    accuracy = sum(a == b for a, (_, b) in zip(frame["label"], tests, strict=True)) / len(tests)
+    assert second.champion_value == pytest.approx(accuracy, abs=1 / len(tests))
+    assert f"vs champion v1 {second.champion_value:.4f} on the same {len(tests)} test images" in (
+        client.get_model_version(NAME, second.version).description)
+
+    # The same champion and test set: its predictions are not scored again.
+    [scored] = _gate_files(first.version)
+    before = scored.stat().st_mtime_ns
+    _, third = _register_result(client, challenger, "flow-other-split-again", never)
+    assert third.champion_value == second.champion_value
+    assert _gate_files(first.version) == [scored] and scored.stat().st_mtime_ns == before
+
+
+def _gate_files(version: str) -> list[Path]:
+    """The gate's cached predictions of one champion version of NAME in this store."""
+    import hashlib
+
+    from training.storage import home, tracking_uri
+
+    run_id = MlflowClient(tracking_uri()).get_model_version(NAME, version).run_id
+    key = hashlib.sha256(f"{tracking_uri()}|{NAME}|{version}|{run_id}".encode()).hexdigest()[:16]
+    return sorted((home() / "gate" / key).rglob("predictions.csv"))
+
+
+def test_a_champion_set_by_hand_holds_until_beaten(models, tmp_path, monkeypatch):
+    """Roll back with `trainflow champion`: the next, weaker challenger leaves it in place."""
+    import os
+
+    from prefect.settings import PREFECT_API_URL
+
+    client = _sqlite_client(tmp_path, monkeypatch)
+    _register(models, "good", client)
+    assert _register(models, "better", client)[1].promoted
+    assert str(client.get_model_version_by_alias(NAME, "champion").version) == "2"
+    out = subprocess.run([str(Path(sys.executable).parent / "trainflow"), "champion", NAME, "1",
+                          "--reason", "v2 misreads sevens"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
+                                           "MLFLOW_TRACKING_URI": client.tracking_uri})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "digits-test v1 is champion (was v2): v2 misreads sevens" in out.stdout
+    v1 = client.get_model_version(NAME, "1")
+    assert "champion" in v1.aliases and v1.tags[PROMOTION] == "set by hand"
+    assert "v2 misreads sevens" in v1.description
+
+    _, third = _register(models, "worse", client)
+    assert third.promoted is False and third.champion_version == "1"
+    assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
+
+
+def test_decisions_released_together_each_face_the_real_champion(models, tmp_path, monkeypatch):
+    """Two registrations of one model at the same instant, four times: replaying the decisions
+    in the order they were made, each names the champion that was current then."""
+    import threading
+
+    client = _sqlite_client(tmp_path, monkeypatch)
+    results = []
+    for round_ in range(4):
+        barrier = threading.Barrier(2)
+
+        def register(which, flow_run_id, barrier=barrier):
+            barrier.wait()
+            results.append(_register(models, which, client, flow_run_id=flow_run_id)[1])
+
+        pair = [threading.Thread(target=register, args=(which, f"r{round_}-{which}"))
+                for which in (("good", "better") if round_ % 2 else ("worse", "good"))]
+        [t.start() for t in pair]
+        [t.join(300) for t in pair]
+    assert len(results) == 8
+    decided = sorted(client.search_model_versions(f"name='{NAME}'"),
+                     key=lambda v: float(v.tags["trainflow.decided_at"]))
+    champion = None
+    for v in decided:
+        assert v.tags.get(COMPARED_WITH) == champion, (v.version, v.description)
+        if v.tags[PROMOTION] == "promoted":
+            champion = str(v.version)
+    assert str(client.get_model_version_by_alias(NAME, "champion").version) == champion

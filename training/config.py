@@ -320,6 +320,13 @@ class RegistrySpec(Spec):
         "says its gain over the champion is not noise at this level (None: any gain counts). "
         "Every model must also beat the majority-class predictor at this level (binomial test).",
     )
+    approval: Literal["auto", "manual"] = Field(
+        "auto", description="auto: a challenger that passes the gate becomes champion. manual: "
+        "it waits for a person to approve or reject it in the Prefect UI (the paused flow "
+        "run's form), and the answer and comment are recorded on the version.")
+    approval_timeout_s: int = Field(
+        86_400, ge=1, description="With approval=manual: no answer in this long leaves the "
+        "version unpromoted, and the version says so.")
 
 
 # Fields a sweep may vary: the recipe, not where or how the launch runs.

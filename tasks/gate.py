@@ -1,0 +1,136 @@
+"""The champion/challenger gate's evidence: the current champion scored on the challenger's
+test images, one decision per model name at a time.
+
+A champion's own test figure was measured on its own test split; when data grows, that split
+changes, and comparing a challenger with it compares two different exams (measured: v1 scored
+0.575 on its test split and 0.309 on v2's). So, before each decision, the current champion
+scores the challenger's test images through predict-flow's path (`score_files`, the served
+model under `accelerate launch`). Its predictions are cached per (champion version, test set):
+a run whose test split did not change scores nothing again.
+
+Reading the champion, scoring, deciding and moving the alias happen under one Prefect global
+concurrency limit per model name, so that two runs finishing together are judged one after the
+other, each against the champion that really was current.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import hashlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlflow
+from pydantic import BaseModel
+
+from tasks.score import score_files
+from training.data.split import read_manifest
+from training.handoff import TrainResult
+from training.storage import home, tracking_uri
+
+
+class SameImages(BaseModel):
+    """The champion's figures on the challenger's test images."""
+
+    version: str
+    images: int
+    metrics: dict[str, float]
+    """accuracy, macro_f1 (and roc_auc for two classes), as the challenger's are computed"""
+    correct: dict[str, int]
+    """test image path -> 1 if the champion labelled it right"""
+    cached: bool
+
+
+def limit_name(model_name: str) -> str:
+    """A concurrency limit name for any registered model name (MLflow allows more characters)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", model_name)[:60]
+    return f"trainflow-gate-{safe}-{hashlib.sha256(model_name.encode()).hexdigest()[:8]}"
+
+
+@contextlib.contextmanager
+def one_decision_at_a_time(model_name: str) -> Iterator[None]:
+    """Hold the model name's gate slot: a Prefect global concurrency limit of 1, created on
+    first use (the UI lists it under Concurrency)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectNotFound
+
+    name = limit_name(model_name)
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(
+                    GlobalConcurrencyLimitCreate(name=name, limit=1))
+            except Exception:  # created by another run at the same moment (the server's 409/500)
+                client.read_global_concurrency_limit_by_name(name)
+    with concurrency(name, occupy=1, strict=True):
+        yield
+
+
+def test_rows(trained: TrainResult) -> list[tuple[str, str]]:
+    """(path, label) of every test image, in manifest order."""
+    return [(p, label) for p, label, split in read_manifest(trained.job.split.manifest)
+            if split == "test"]
+
+
+def test_set_key(rows: list[tuple[str, str]]) -> str:
+    return hashlib.sha256("".join(f"{p}\t{label}\n" for p, label in sorted(rows)).encode()
+                          ).hexdigest()[:16]
+
+
+def champion_class_names(model_name: str, version: str) -> list[str] | None:
+    metadata = mlflow.models.get_model_info(f"models:/{model_name}/{version}").metadata or {}
+    return metadata.get("class_names")
+
+
+def score_champion(champion, trained: TrainResult, logger) -> SameImages:
+    """The champion's predictions on the challenger's test images, scored once per test set."""
+    rows = test_rows(trained)
+    key = hashlib.sha256(f"{tracking_uri()}|{champion.name}|{champion.version}|"
+                         f"{champion.run_id}".encode()).hexdigest()[:16]
+    folder = home() / "gate" / key / test_set_key(rows)
+    predictions = folder / "predictions.csv"
+    cached = predictions.exists()
+    if cached:
+        logger.info("champion v%s's predictions on these %d test images are cached",
+                    champion.version, len(rows))
+    else:
+        model_dir = mlflow.artifacts.download_artifacts(
+            f"models:/{champion.name}/{champion.version}", dst_path=str(folder / "model"),
+            tracking_uri=tracking_uri())
+        root = trained.job.split.root
+        scored = score_files(Path(model_dir), [root / p for p, _ in rows], root, folder,
+                             trained.job.training, logger)
+        logger.info("champion v%s scored the challenger's %d test images in %.1f s",
+                    champion.version, scored.images, scored.seconds)
+    with open(predictions, newline="") as f:
+        predicted = {r["path"]: r for r in csv.DictReader(f)}
+    return SameImages(version=str(champion.version), images=len(rows), cached=cached,
+                      **figures(rows, predicted, trained.class_names))
+
+
+def figures(rows: list[tuple[str, str]], predicted: dict[str, dict], class_names: list[str]
+            ) -> dict:
+    """The figures the challenger's evaluation computes, from a served model's predictions.
+
+    An image the champion could not read counts as wrong.
+    """
+    from sklearn.metrics import accuracy_score, f1_score, roc_auc_score
+
+    index = {name: k for k, name in enumerate(class_names)}
+    y_true = [index[label] for _, label in rows]
+    y_pred = [index.get(predicted[p]["label"] or "", -1) for p, _ in rows]
+    metrics = {"accuracy": float(accuracy_score(y_true, y_pred)),
+               "macro_f1": float(f1_score(y_true, y_pred, labels=list(range(len(class_names))),
+                                          average="macro", zero_division=0))}
+    if len(class_names) == 2:
+        positive = f"probability_{class_names[1]}"
+        scores = [float(predicted[p][positive] or 0.5) for p, _ in rows]
+        metrics["roc_auc"] = float(roc_auc_score(y_true, scores))
+    correct = {p: int(t == y) for (p, _), t, y in zip(rows, y_true, y_pred, strict=True)}
+    return {"metrics": metrics, "correct": correct}

@@ -1,0 +1,71 @@
+"""A run's parameters as the person who started it means them: field by field over the
+deployment's.
+
+Prefect merges a run's parameters over its deployment's one level deep: a run given
+`training={"epochs": 2}` receives exactly that block, and every other training field would
+fall back to the model's default instead of the deployment's value (a deployment's resnet18
+at 224 px silently becomes basicnet at 28 px). The flows therefore take their parameter
+blocks unvalidated (`validate_parameters=False`; the UI still renders the typed form), read
+their deployment's own blocks back from the API, and lay the run's fields over them here,
+before validating once. What the run names wins; everything else keeps the deployment's value.
+This holds for `prefect deployment run --param`, `run_deployment(parameters=...)`, a custom
+run from the UI (which sends the whole form: nothing to fill in), automations and schedules.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prefect import task
+from prefect.runtime import deployment
+from pydantic import BaseModel
+
+from tasks import run_logger
+from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
+
+BLOCKS: dict[str, type[BaseModel]] = {"dataset": DatasetSpec, "split": SplitSpec,
+                                      "training": TrainingSpec, "registry": RegistrySpec}
+
+
+def as_fields(value: Any) -> Any:
+    """A block as the fields it names: a model counts only the fields it was given."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", exclude_unset=True)
+    return value
+
+
+def deployment_parameters() -> dict[str, Any]:
+    """The parameters stored on this flow run's deployment; {} for a run without one."""
+    deployment_id = deployment.get_id()
+    if not deployment_id:
+        return {}
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_deployment(deployment_id).parameters or {}
+
+
+def merge_blocks(base: dict[str, Any], run: dict[str, Any], blocks: tuple[str, ...]
+                 ) -> dict[str, Any]:
+    """`run` over `base`, one level deeper for the parameter blocks named in `blocks`."""
+    merged = {**base, **run}
+    for name in blocks:
+        below, above = as_fields(base.get(name)), as_fields(run.get(name))
+        if isinstance(below, dict) and isinstance(above, dict):
+            merged[name] = {**below, **above}
+        elif above is not None:
+            merged[name] = above
+    return merged
+
+
+@task(retries=2, retry_delay_seconds=2)
+def resolve_parameters(run: dict[str, Any]) -> dict[str, BaseModel]:
+    """The four parameter blocks, each over the deployment's values and validated once."""
+    merged = merge_blocks(deployment_parameters(), run, tuple(BLOCKS))
+    named = {name: sorted(fields) for name in BLOCKS
+             if isinstance(fields := as_fields(run.get(name)), dict) and fields}
+    run_logger().info("fields this run sets: %s; every other field keeps the deployment's "
+                      "value or the default", json.dumps(named))
+    return {name: model.model_validate(as_fields(merged.get(name)) or {})
+            for name, model in BLOCKS.items()}
