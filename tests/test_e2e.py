@@ -228,3 +228,81 @@ def test_a_flow_started_by_hand_uses_the_running_server(stack):
     assert by_hand, "the run is not on the running server"
     tags = stack.mlflow.get_run(mlflow_run_id).data.tags
     assert tags[FLOW_RUN_ID] in {str(r.id) for r in by_hand}
+
+
+def deploy(stack: Stack, name: str, params: dict) -> None:
+    done = subprocess.run([PREFECT, "--no-prompt", "deploy", "flows/train_flow.py:train_flow",
+                           "--name", name, "--pool", "e2e-pool", "--params", json.dumps(params)],
+                          cwd=REPO, env=stack.env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def run_with_param(stack: Stack, deployment: str, *params: str) -> str:
+    command = [PREFECT, "deployment", "run", deployment]
+    for param in params:
+        command += ["--param", param]
+    done = subprocess.run(command, env=stack.env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout).group(1)
+
+
+def test_a_run_that_sets_one_field_keeps_the_deployments_other_fields(stack):
+    """`--param training='{"epochs": 2}'` changes epochs and nothing else of the block."""
+    deployed = {**SMALL, "lr_schedule": "cosine", "lr": 0.002, "batch_size": 40}
+    deploy(stack, "partial", {"dataset": {"source": "builtin:digits"}, "training": deployed,
+                              "registry": {"model_name": "partial-digits"}})
+    flow_run_id = run_with_param(stack, "train-flow/partial", 'training={"epochs": 2}')
+    run = wait_final(stack, flow_run_id)
+    assert run.state.is_completed(), run.state.message
+    params = mlflow_run_of(stack, flow_run_id).data.params
+    assert params["epochs"] == "2"
+    assert {k: params[k] for k in ("lr_schedule", "lr", "batch_size", "image_size")} == {
+        "lr_schedule": "cosine", "lr": "0.002", "batch_size": "40", "image_size": "12"}
+    version = stack.mlflow.get_model_version_by_alias("partial-digits", "champion")
+    recorded = json.loads(version.tags["trainflow.flow_parameters"])["training"]
+    assert (recorded["epochs"], recorded["batch_size"], recorded["lr_schedule"]) == (2, 40, "cosine")
+
+
+def wait_paused(stack: Stack, flow_run_id: str, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    with prefect_client(stack) as client:
+        while time.monotonic() < deadline:
+            state = client.read_flow_run(flow_run_id).state
+            if state is not None and (state.is_paused() or state.is_final()):
+                return state
+            time.sleep(1)
+    raise TimeoutError(f"flow run {flow_run_id} never paused")
+
+
+def test_manual_approval_is_asked_and_the_answer_holds(stack):
+    """registry.approval=manual: approved -> champion; rejected or unanswered -> not, and the
+    version says which and why."""
+    from prefect.flow_runs import resume_flow_run
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.register import APPROVAL, PROMOTION
+
+    runs = {answer: run_deployment(stack, {"training": SMALL, "registry": {
+        "model_name": f"approval-{answer}", "approval": "manual",
+        "approval_timeout_s": 20 if answer == "none" else 600}})
+        for answer in ("yes", "no", "none")}
+    answers = {"yes": {"approve": True, "comment": "checked the confusion matrix"},
+               "no": {"approve": False, "comment": "sevens look wrong"}}
+    with temporary_settings({PREFECT_API_URL: stack.api}):
+        for answer, reply in answers.items():
+            assert wait_paused(stack, runs[answer]).is_paused()
+            resume_flow_run(runs[answer], run_input=reply)
+    for answer, flow_run_id in runs.items():
+        run = wait_final(stack, flow_run_id)
+        assert run.state.is_completed(), (answer, run.state.message)
+    yes = stack.mlflow.get_registered_model("approval-yes")
+    assert "champion" in yes.aliases
+    approved = stack.mlflow.get_model_version("approval-yes", yes.aliases["champion"])
+    assert approved.tags[APPROVAL] == "approved"
+    assert "approved by a person: checked the confusion matrix" in approved.description
+    for answer, said in (("no", "rejected by a person: sevens look wrong"),
+                         ("none", "no answer to the approval request in time")):
+        model = stack.mlflow.get_registered_model(f"approval-{answer}")
+        assert "champion" not in model.aliases
+        [version] = stack.mlflow.search_model_versions(f"name='approval-{answer}'")
+        assert version.tags[PROMOTION] == "not promoted" and said in version.description
