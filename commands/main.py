@@ -1,9 +1,13 @@
 """`trainflow`: the project's command-line tools.
 
-    trainflow services start|stop [--folder .services]   # Prefect + MLflow servers, a worker
+    trainflow train [--training.epochs 5 ...] [--config FILE.yaml] [--json]   # train-flow here
+    trainflow run DEPLOYMENT [--training.epochs 2 ...] [--watch]   # through a worker
     trainflow predict IMAGE... [--model NAME --alias champion]
-    trainflow rerun MODEL_NAME VERSION [--deployment train-flow/digits]
     trainflow champion MODEL_NAME VERSION [--reason "..."]   # rollback, or a person's choice
+    trainflow rerun MODEL_NAME VERSION [--deployment train-flow/digits]
+    trainflow services start|stop [--folder .services]   # Prefect + MLflow servers, a worker
+
+`trainflow COMMAND --help` lists each command's options.
 """
 
 from __future__ import annotations
@@ -11,16 +15,22 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"services": "commands.services", "predict": "commands.predict",
-            "rerun": "commands.rerun", "champion": "commands.champion"}
+COMMANDS = {"train": "commands.train:train", "run": "commands.train:run",
+            "predict": "commands.predict:main", "champion": "commands.champion:main",
+            "rerun": "commands.rerun:main", "services": "commands.services:main"}
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
-        sys.exit(f"usage: trainflow {{{','.join(COMMANDS)}}} ...\n\n{__doc__.strip()}")
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(__doc__.strip())
+        sys.exit(0 if argv else 2)
+    if argv[0] not in COMMANDS:
+        sys.exit(f"trainflow: unknown command {argv[0]!r}; one of {', '.join(COMMANDS)} "
+                 "(trainflow --help)")
     # Imported on demand: `services` must not pay for torch, nor `predict` for Prefect.
-    importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+    module, function = COMMANDS[argv[0]].split(":")
+    getattr(importlib.import_module(module), function)(argv[1:])
 
 
 if __name__ == "__main__":

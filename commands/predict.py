@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"no such image file: {', '.join(missing)}")
     frame = predict(args.images, args.model, args.alias)
     for path, row in zip(args.images, frame.itertuples(), strict=True):
-        print(f"{path}\t{row.label}\t{row.probability:.4f}" if row.error is None
+        # pandas 3 reads a missing error as NaN, not None.
+        print(f"{path}\t{row.label}\t{row.probability:.4f}" if pd.isna(row.error)
               else f"{path}\terror\t{row.error}")
 
 

@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> None:
         start(args.folder, args.prefect_port, args.mlflow_port)
     else:
         stop(args.folder)
+        from commands import local_server
+
+        if stopped := local_server.stop():  # the one hand-started flows reuse
+            print(stopped)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,12 @@ from pydantic import BaseModel
 
 from tasks.data import prepare_dataset, split_dataset
 from tasks.evaluate import Evaluation, evaluate_model
-from tasks.lineage import find_unchanged_champion, lineage_tags
+from tasks.lineage import FLOW_RUN_URL, find_unchanged_champion, lineage_tags
 from tasks.parameters import BLOCKS, resolve_parameters
 from tasks.preflight import check_before_start
 from tasks.register import Registration, apply_approval, ask_for_approval, register_model
 from tasks.report import publish_report
-from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run
+from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run, run_url
 from tasks.train import train_model
 from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
 from training.data.cache import split_sides
@@ -35,6 +35,8 @@ from training.storage import home, tracking_uri
 
 class FlowResult(BaseModel):
     mlflow_run_id: str | None = None
+    mlflow_url: str | None = None
+    prefect_url: str | None = None
     skipped: str | None = None
     trained: TrainResult | None = None
     evaluation: Evaluation | None = None
@@ -70,12 +72,18 @@ def train_flow(
             registration = apply_approval(registration, answer)
         publish_report(source, data, trained, evaluation, registration, run_id)
     close_mlflow_run(run_id, "FINISHED")
-    return FlowResult(mlflow_run_id=run_id, trained=trained, evaluation=evaluation,
-                      registration=registration)
+    return FlowResult(mlflow_run_id=run_id, mlflow_url=run_url(run_id),
+                      prefect_url=lineage.get(FLOW_RUN_URL), trained=trained,
+                      evaluation=evaluation, registration=registration)
 
 
 if __name__ == "__main__":
-    params = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    # `python -m flows.train_flow '{json}' [--json]`: the same as `trainflow train`, on
+    # PREFECT_API_URL or the reused local server.
+    from commands.train import run_train
+
+    args = [a for a in sys.argv[1:] if a != "--json"]
+    params = json.loads(args[0]) if args else {}
     params.setdefault("dataset", {"source": "builtin:digits"})
-    result = train_flow(**params)
-    print(result.model_dump_json(indent=2))
+    force = params.pop("force", False)
+    run_train(params, "--json" in sys.argv[1:], force)

@@ -22,17 +22,7 @@ from prefect.runtime import deployment
 from pydantic import BaseModel
 
 from tasks import run_logger
-from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
-
-BLOCKS: dict[str, type[BaseModel]] = {"dataset": DatasetSpec, "split": SplitSpec,
-                                      "training": TrainingSpec, "registry": RegistrySpec}
-
-
-def as_fields(value: Any) -> Any:
-    """A block as the fields it names: a model counts only the fields it was given."""
-    if isinstance(value, BaseModel):
-        return value.model_dump(mode="json", exclude_unset=True)
-    return value
+from training.config import BLOCKS, as_fields, merge_blocks
 
 
 def deployment_parameters() -> dict[str, Any]:
@@ -44,19 +34,6 @@ def deployment_parameters() -> dict[str, Any]:
 
     with get_client(sync_client=True) as client:
         return client.read_deployment(deployment_id).parameters or {}
-
-
-def merge_blocks(base: dict[str, Any], run: dict[str, Any], blocks: tuple[str, ...]
-                 ) -> dict[str, Any]:
-    """`run` over `base`, one level deeper for the parameter blocks named in `blocks`."""
-    merged = {**base, **run}
-    for name in blocks:
-        below, above = as_fields(base.get(name)), as_fields(run.get(name))
-        if isinstance(below, dict) and isinstance(above, dict):
-            merged[name] = {**below, **above}
-        elif above is not None:
-            merged[name] = above
-    return merged
 
 
 @task(retries=2, retry_delay_seconds=2)

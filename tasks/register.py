@@ -177,12 +177,12 @@ def decide(spec: RegistrySpec, value: float, champion: SameImages | None,
     best = champion.metrics[spec.metric]
     gain = value - best
     if gain <= 0 or gain < spec.min_improvement:
-        return False, (f"test_{spec.metric} {value:.4f} does not beat champion v{champion.version} "
-                       f"({best:.4f}) by at least {spec.min_improvement:g}")
+        return False, (f"does not beat champion v{champion.version} ({best:.4f}) by at least "
+                       f"{spec.min_improvement:g}")
     if spec.significance is not None and p_value is not None and p_value >= spec.significance:
         return False, (f"gain {gain:+.4f} over v{champion.version} is not significant "
                        f"(McNemar p={p_value:.3g} >= {spec.significance:g}): it may be noise")
-    return True, f"test_{spec.metric} {value:.4f} beats champion v{champion.version} ({best:.4f})"
+    return True, f"beats champion v{champion.version} ({best:.4f})"
 
 
 def judge(trained: TrainResult, evaluation: Evaluation, registry: RegistrySpec, version: str,

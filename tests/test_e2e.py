@@ -213,7 +213,7 @@ def test_a_flow_started_by_hand_uses_the_running_server(stack):
     params = {"dataset": {"source": "builtin:digits"}, "training": SMALL,
               "registry": {"model_name": "by-hand"}}
     done = subprocess.run([str(services.BIN / "python"), "-m", "flows.train_flow",
-                           json.dumps(params)],
+                           json.dumps(params), "--json"],
                           cwd=REPO, env=stack.env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     output = done.stdout + done.stderr

@@ -100,11 +100,15 @@ def test_gate_on_a_sqlite_store(models, tmp_path, monkeypatch):
     rows = [r for r in read_manifest(split.manifest) if r[2] == "test" and r[0] in expected][:5]
     assert len(rows) == 5
     files = [str(split.root / p) for p, _, _ in rows]
+    not_an_image = tmp_path / "notes.png"
+    not_an_image.write_text("not an image")
     out = subprocess.run([str(Path(sys.executable).parent / "trainflow"), "predict", "--model",
-                          NAME, *files], capture_output=True, text=True, timeout=120,
+                          NAME, *files, str(not_an_image)], capture_output=True, text=True,
+                         timeout=120,
                          env={**_env(), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = [line.split("\t") for line in out.stdout.strip().splitlines()]
+    *lines, bad = [line.split("\t") for line in out.stdout.strip().splitlines()]
+    assert bad[:2] == [str(not_an_image), "error"] and "not an image file" in bad[2]
     assert [(path, label) for path, label, _ in lines] == [
         (f, expected[p]) for f, (p, _, _) in zip(files, rows, strict=True)]
     assert all(0 < float(prob) <= 1 for _, _, prob in lines)

@@ -12,7 +12,7 @@ import os
 import re
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -404,3 +404,28 @@ class SweepSpec(Spec):
 
         values = {name: getattr(base, name) for name in self.search_space}
         return {k: v for k, v in values.items() if inside(v, self.search_space[k])}
+
+
+BLOCKS: dict[str, type[Spec]] = {"dataset": DatasetSpec, "split": SplitSpec,
+                                 "training": TrainingSpec, "registry": RegistrySpec}
+"""The flows' four parameter blocks, by their public names."""
+
+
+def as_fields(value: Any) -> Any:
+    """A block as the fields it names: a model counts only the fields it was given."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", exclude_unset=True)
+    return value
+
+
+def merge_blocks(base: dict[str, Any], run: dict[str, Any], blocks: tuple[str, ...]
+                 ) -> dict[str, Any]:
+    """`run` over `base`, one level deeper for the parameter blocks named in `blocks`."""
+    merged = {**base, **run}
+    for name in blocks:
+        below, above = as_fields(base.get(name)), as_fields(run.get(name))
+        if isinstance(below, dict) and isinstance(above, dict):
+            merged[name] = {**below, **above}
+        elif above is not None:
+            merged[name] = above
+    return merged

@@ -1,0 +1,172 @@
+"""`trainflow train` and `trainflow run`: train-flow from the command line, typed.
+
+    trainflow train --training.epochs 5 --training.model resnet18
+    trainflow train --config digits.yaml --training.lr 0.003        # flags beat the file
+    trainflow run train-flow/dogs-vs-cats --training.epochs 2       # through a worker
+
+Flags are generated from the flow's four parameter models (pydantic-settings' CLI), so
+`--help` lists every field with its type, default and description, and a bad value is refused
+with the model's own message before any server starts. `--config` takes the shape of a
+deployment's `parameters:` in prefect.yaml. `train` runs here, on PREFECT_API_URL or the reused
+local server, and prints a summary (`--json`: the whole result); `run` starts a deployment's
+run with only the fields given, each laid over the deployment's own value.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from pydantic import AliasChoices, BaseModel, Field, ValidationError
+from pydantic_settings import CliApp, CliPositionalArg
+
+from training.config import BLOCKS, DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec, merge_blocks
+
+
+class TrainArgs(BaseModel):
+    """Train, evaluate and register a model with train-flow, on this machine."""
+
+    config: Path | None = Field(
+        None, description="A YAML file of parameter blocks, as a deployment's parameters in "
+        "prefect.yaml (dataset:, split:, training:, registry:); flags override its fields.")
+    dataset: DatasetSpec = DatasetSpec(source="builtin:digits")
+    split: SplitSpec = SplitSpec()
+    training: TrainingSpec = TrainingSpec()
+    registry: RegistrySpec = RegistrySpec()
+    force: bool = Field(False, description="Train even when the champion was trained on the "
+                        "same data and spec.")
+    json_output: bool = Field(False, validation_alias=AliasChoices("json", "json_output"),
+                              description="Print the whole result as JSON, not the summary.")
+
+
+class RunArgs(BaseModel):
+    """Run a deployment through its work pool with some fields changed; every other field keeps
+    the deployment's value."""
+
+    deployment: CliPositionalArg[str] = Field(description='e.g. "train-flow/digits"')
+    dataset: DatasetSpec | None = None
+    split: SplitSpec | None = None
+    training: TrainingSpec | None = None
+    registry: RegistrySpec | None = None
+    watch: bool = Field(False, description="Wait for the run to finish.")
+
+
+def parse(model: type[BaseModel], argv: list[str], prog: str) -> BaseModel:
+    """The model from argv; a bad value exits with its message (no traceback)."""
+    from pydantic_settings import CliSettingsSource
+
+    source = CliSettingsSource(model, cli_prog_name=prog, cli_implicit_flags=True,
+                               cli_kebab_case=False)
+    try:
+        return CliApp.run(model, cli_args=argv, cli_settings_source=source)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+        sys.exit(f"{prog}: invalid parameters\n" + "\n".join(lines))
+
+
+def given(args: BaseModel) -> dict:
+    """Only the blocks and fields named on the command line."""
+    return {name: getattr(args, name).model_dump(mode="json", exclude_unset=True)
+            for name in BLOCKS if name in args.model_fields_set and getattr(args, name)}
+
+
+def train_parameters(args: TrainArgs) -> dict:
+    """The flow's parameters: defaults, under the config file, under the flags."""
+    base: dict = {"dataset": {"source": "builtin:digits"}}
+    if args.config is not None:
+        import yaml
+
+        try:
+            loaded = yaml.safe_load(args.config.read_text()) or {}
+        except OSError as e:
+            sys.exit(f"trainflow train: cannot read --config {args.config}: {e.strerror}")
+        unknown = set(loaded) - set(BLOCKS)
+        if unknown:
+            sys.exit(f"trainflow train: {args.config} has {sorted(unknown)}; a config holds "
+                     f"only the blocks {', '.join(BLOCKS)}, as a deployment's parameters")
+        base = merge_blocks(base, loaded, tuple(BLOCKS))
+    merged = merge_blocks(base, given(args), tuple(BLOCKS))
+    try:
+        return {name: model.model_validate(merged.get(name) or {}).model_dump(
+            mode="json", exclude_unset=True) for name, model in BLOCKS.items()}
+    except ValidationError as e:
+        sys.exit(f"trainflow train: invalid parameters\n{e}")
+
+
+def summary(result, seconds: float, stages: dict[str, float]) -> str:
+    """What a person reads at the end of a run."""
+    if result.skipped:
+        return f"skipped: {result.skipped} (--force to train anyway)"
+    t, e, r = result.trained, result.evaluation, result.registration
+    counts = t.job.split.counts
+    sizes = " / ".join(f"{s} {sum(counts[s].values())}" for s in ("train", "val", "test"))
+    metrics = e.metrics
+    lines = [
+        f"data      {len(t.class_names)} classes; {sizes}",
+        f"training  world size {t.world_size}, best epoch {t.best_epoch} of "
+        f"{len(t.history)} (val accuracy {t.best_metrics.get('val_accuracy', float('nan')):.4f})",
+        f"test      accuracy {metrics['accuracy']:.4f}, macro F1 {metrics['macro_f1']:.4f} on "
+        f"{e.images} images",
+        f"registry  {r.model_name} {r.description()}",
+    ]
+    if result.mlflow_url:
+        lines.append(f"mlflow    {result.mlflow_url}")
+    if result.prefect_url:
+        lines.append(f"prefect   {result.prefect_url}")
+    timing = ", ".join(f"{name} {s:.1f} s" for name, s in stages.items())
+    lines.append(f"time      {seconds:.1f} s" + (f" ({timing})" if timing else ""))
+    return "\n".join(lines)
+
+
+def stage_seconds(flow_run_id) -> dict[str, float]:
+    """Each task run's wall time, read back from Prefect."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    stages: dict[str, float] = {}
+    for run in sorted(runs, key=lambda r: r.start_time or r.expected_start_time):
+        if run.start_time and run.end_time:
+            name = run.name.rsplit("-", 1)[0]
+            stages[name] = stages.get(name, 0) + (run.end_time - run.start_time).total_seconds()
+    return stages
+
+
+def run_train(params: dict, as_json: bool, force: bool = False) -> None:
+    from commands.local_server import local_prefect_api
+
+    started = time.perf_counter()
+    with local_prefect_api():
+        from flows.train_flow import train_flow
+
+        state = train_flow(**params, force=force, return_state=True)
+        result = state.result(raise_on_failure=False)
+        if isinstance(result, BaseException):
+            sys.exit(f"train-flow failed: {type(result).__name__}: {result}")
+        if as_json:
+            print(result.model_dump_json(indent=2))
+            return
+        stages = stage_seconds(state.state_details.flow_run_id)
+    print(summary(result, time.perf_counter() - started, stages))
+
+
+def train(argv: list[str]) -> None:
+    args = parse(TrainArgs, argv, "trainflow train")
+    run_train(train_parameters(args), args.json_output, args.force)
+
+
+def run(argv: list[str]) -> None:
+    args = parse(RunArgs, argv, "trainflow run")
+    from prefect.deployments import run_deployment
+
+    flow_run = run_deployment(args.deployment, parameters=given(args),
+                              timeout=None if args.watch else 0)
+    print(f"flow run {flow_run.name} ({flow_run.id}) of {args.deployment}: "
+          f"{flow_run.state.name if flow_run.state else 'scheduled'}; fields set: "
+          f"{json.dumps(given(args))}")
+    if args.watch and flow_run.state and not flow_run.state.is_completed():
+        sys.exit(1)

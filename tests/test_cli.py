@@ -1,0 +1,99 @@
+"""`trainflow` as a person types it: help, bad values, a config file, the reused local server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from training.processes import alive
+
+BIN = Path(sys.executable).parent
+TRAINFLOW = str(BIN / "trainflow")
+
+
+def _clean_env(tmp_path: Path) -> dict:
+    """A fresh machine's environment: no Prefect or MLflow settings, homes under tmp_path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))
+           and k not in ("DO_NOT_TRACK", "TRAINFLOW_HOME")}
+    return {**env, "HOME": str(tmp_path), "TRAINFLOW_HOME": str(tmp_path / "trainflow")}
+
+
+def test_help_lists_every_field_and_exits_zero(tmp_path):
+    done = subprocess.run([TRAINFLOW, "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "trainflow train" in done.stdout
+    done = subprocess.run([TRAINFLOW, "train", "--help"], capture_output=True, text=True,
+                          timeout=60, env=_clean_env(tmp_path))
+    assert done.returncode == 0, done.stderr
+    for flag in ("--dataset.source str", "--training.epochs int", "--training.mixed_precision",
+                 "--registry.approval {auto,manual}", "--config", "--json"):
+        assert flag in done.stdout, flag
+    assert "Square input size in pixels. (default: 28)" in done.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--training.epochs", "x"], "training.epochs: Input should be a valid integer"),
+    (["--training.epochs", "0"], "training.epochs: Input should be greater than or equal to 1"),
+    (["--training.model", "resnet-18"], "unknown model 'resnet-18'"),
+    (["--training.epoch", "3"], "unrecognized arguments: --training.epoch"),
+    (["--dataset.source", "s3:bucket"], "unknown dataset source scheme 's3'"),
+])
+def test_bad_values_are_refused_before_any_server(tmp_path, argv, message):
+    env = _clean_env(tmp_path)
+    started = time.monotonic()
+    done = subprocess.run([TRAINFLOW, "train", *argv], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode != 0
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / ".prefect").exists(), "a Prefect server or home was started"
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.slow
+def test_hand_started_flows_share_one_local_server_on_a_busy_machine(tmp_path):
+    """Every core busy, fresh home: the first run starts the local server and completes; the
+    second reuses it; `trainflow services stop` ends it."""
+    env = _clean_env(tmp_path)
+    config = tmp_path / "digits.yaml"
+    config.write_text("dataset:\n  source: builtin:digits\ntraining:\n  image_size: 12\n"
+                      "  batch_size: 50\n  epochs: 3\nregistry:\n  model_name: cli-digits\n")
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+               for _ in range(os.cpu_count() or 2)]
+    try:
+        first = subprocess.run([TRAINFLOW, "train", "--config", str(config),
+                                "--training.epochs", "1"], capture_output=True, text=True,
+                               timeout=900, env=env)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "starting a local Prefect server" in first.stderr
+    assert "Timed out" not in first.stderr and "Traceback" not in first.stderr
+    record = json.loads((tmp_path / ".prefect" / "trainflow-server.json").read_text())
+    lines = first.stdout.splitlines()
+    # The summary: the config's model name and image size, the flag's epochs.
+    assert any(line.startswith("training  world size 2, best epoch 1 of 1") for line in lines)
+    assert any(line.startswith("registry  cli-digits v1: test_accuracy") and "promoted" in line
+               for line in lines), first.stdout[-2000:]
+    assert any(line.startswith("prefect   " + record["url"].removesuffix("/api"))
+               for line in lines)
+
+    second = subprocess.run([sys.executable, "-m", "flows.train_flow", json.dumps(
+        {"training": {"image_size": 12, "batch_size": 50, "epochs": 1},
+         "registry": {"model_name": "cli-digits"}}), "--json"],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "starting a local Prefect server" not in second.stderr
+    assert "champion v1 already trained" in json.loads(second.stdout)["skipped"]
+    assert json.loads((tmp_path / ".prefect" / "trainflow-server.json").read_text()) == record
+
+    stop = subprocess.run([TRAINFLOW, "services", "stop", "--folder", str(tmp_path / "svc")],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert f"stopped the local Prefect server (pid {record['pid']}" in stop.stdout, stop.stderr
+    assert not alive(record["pid"])
