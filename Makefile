@@ -10,20 +10,31 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_TELEMETRY_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 
-.PHONY: install demo test test-fast lint services stop bench bench-quality bench-scale clean
+.PHONY: install lock demo test test-fast lint services stop bench bench-quality bench-scale clean
 
 install: $(VENV)/.installed
 
 # torch/torchvision come from pip (pinned in pyproject.toml); pip honours the machine's
 # constraint file. uv/poetry would download multi-GB CUDA wheels instead.
-$(VENV)/.installed: pyproject.toml
+# Every dependency at the exact version of requirements.lock (make lock refreshes it), then the
+# project itself without resolving anything again.
+$(VENV)/.installed: pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install -r requirements.lock
+	$(PY) -m pip install --no-deps -e '.[dev]'
 	touch $@
 
+# After changing dependencies in pyproject.toml, or to take newer releases on purpose: resolve
+# again (uv only resolves here; pip installs, torch included) and commit requirements.lock.
+lock:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet uv
+	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --python-version 3.11 \
+		--python-platform x86_64-manylinux_2_28 --no-header --annotation-style line -o requirements.lock
+
 demo: install
-	$(PY) -m flows.train_flow '{"dataset": {"source": "builtin:digits"}, "training": {"epochs": 3}}'
+	$(VENV)/bin/trainflow train --dataset.source builtin:digits --training.epochs 3
 
 test: install
 	$(VENV)/bin/ruff check .
@@ -40,6 +51,7 @@ services: install
 	@mkdir -p $(SERVICES)
 	$(VENV)/bin/trainflow services start --folder $(SERVICES) --prefect-port $(PREFECT_PORT) --mlflow-port $(MLFLOW_PORT)
 
+# Ends `make services` and the local Prefect server that hand-started flows reuse.
 stop:
 	@test -x $(VENV)/bin/trainflow && $(VENV)/bin/trainflow services stop --folder $(SERVICES) || true
 

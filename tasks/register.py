@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import importlib.metadata
 import json
 import tempfile
 import time
@@ -27,6 +28,7 @@ from training.handoff import TrainResult
 from training.models.build import DESCRIPTION_ARTIFACT, WEIGHTS_ARTIFACT
 from training.storage import tracking_uri
 
+SERVING_PACKAGES = ("safetensors", "pillow", "numpy", "pandas", "pydantic")
 TRAINING_DIR = Path(__file__).resolve().parents[1] / "training"
 SERVED_MODEL = TRAINING_DIR / "models" / "image_classifier.py"
 METRIC = "trainflow.metric"
@@ -113,10 +115,12 @@ def log_model(trained: TrainResult, run_id: str) -> str:
             signature=signature, metadata=description,
             input_example=pd.DataFrame({"image": [example_file.read_bytes()]}),
             # Explicit requirements: inferring them starts a subprocess that imports the model.
+            # The exact versions that trained it, so a serving host gets the same.
             pip_requirements=[f"mlflow=={mlflow.__version__}",
                               f"torch=={torch.__version__.split('+')[0]}",
                               f"torchvision=={torchvision.__version__.split('+')[0]}",
-                              "safetensors", "pillow", "numpy", "pandas", "pydantic"],
+                              *(f"{name}=={importlib.metadata.version(name)}"
+                                for name in SERVING_PACKAGES)],
         )
     return model_info.model_uri
 
