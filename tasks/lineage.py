@@ -16,7 +16,7 @@ from prefect import task
 from prefect.runtime import flow_run
 
 from tasks import run_logger
-from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
+from training.config import LAUNCH_ONLY, DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
 from training.data.sources import DatasetRef
 from training.handoff import SplitResult
 from training.storage import tracking_uri
@@ -27,6 +27,8 @@ FLOW_RUN_ID = "trainflow.flow_run_id"
 FLOW_RUN_NAME = "trainflow.flow_run_name"
 FLOW_RUN_URL = "trainflow.flow_run_url"
 GIT_COMMIT = "trainflow.git_commit"
+GIT_DIRTY = "trainflow.git_dirty"
+"""true when the code that ran had uncommitted changes: `trainflow rerun` then refuses"""
 DATASET_SOURCE = "trainflow.dataset.source"
 DATASET_FINGERPRINT = "trainflow.dataset.fingerprint"
 MANIFEST_SHA256 = "trainflow.manifest_sha256"
@@ -40,19 +42,28 @@ def metric_tag(name: str) -> str:
     return f"trainflow.test_{name}"
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO, timeout=5,
+                          check=True).stdout.strip()
+
+
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1], timeout=5,
-                              check=True).stdout.strip()
+        return _git("rev-parse", "HEAD")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
-# Where and how the launch runs, not what it learns.
-LAUNCH_ONLY = {"main_process_port", "main_process_ip", "machine_rank", "timeout_s",
-               "hang_timeout_s", "heartbeat_steps", "num_processes", "node_deployment",
-               "node_work_queue", "rendezvous_timeout_s", "max_restarts"}
+def git_dirty() -> bool:
+    """Tracked product files changed since the commit: the commit alone does not reproduce it."""
+    try:
+        return bool(_git("status", "--porcelain", "--untracked-files=no", "--", "training",
+                         "tasks", "flows", "commands", "pyproject.toml", "requirements.lock"))
+    except (OSError, subprocess.SubprocessError):
+        return True
 
 
 def spec_hash(training: TrainingSpec, split: SplitSpec) -> str:
@@ -74,6 +85,7 @@ def lineage_tags(dataset: DatasetSpec, split: SplitSpec, training: TrainingSpec,
         FLOW_RUN_ID: str(flow_run.get_id()),
         FLOW_RUN_NAME: str(flow_run.get_name()),
         GIT_COMMIT: git_commit(),
+        GIT_DIRTY: str(git_dirty()).lower(),
         DATASET_SOURCE: dataset.source,
         DATASET_FINGERPRINT: ref.fingerprint,
         MANIFEST_SHA256: split_result.manifest_sha256,

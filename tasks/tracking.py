@@ -41,7 +41,9 @@ def open_mlflow_run(lineage: dict[str, str], data: SplitResult, flow_name: str =
     the train/val/test splits as its MLflow datasets."""
     client = MlflowClient(tracking_uri())
     # MLflow's own tag too, so that the UI shows the commit in its usual place.
-    tags = {**lineage, "mlflow.source.git.commit": lineage[GIT_COMMIT]}
+    tags = {**lineage, "mlflow.source.git.commit": lineage[GIT_COMMIT],
+            "mlflow.source.name": f"flows/{flow_name.replace('-', '_')}.py",
+            "mlflow.source.type": "JOB"}
     run = client.create_run(experiment_id(client), tags=tags,
                             run_name=f"{flow_name}/{flow_run.get_name()}")
     client.log_inputs(run.info.run_id, datasets=split_datasets(lineage[DATASET_SOURCE], data))

@@ -329,11 +329,15 @@ class RegistrySpec(Spec):
         "version unpromoted, and the version says so.")
 
 
-# Fields a sweep may vary: the recipe, not where or how the launch runs.
-SEARCHABLE = frozenset(TrainingSpec.model_fields) - {
+# Where and how the launch runs, not what it learns: never searched, never part of what makes
+# two trainings the same (the world size they give counts separately), never replayed by
+# `trainflow rerun`. Declared once here; a test fails when a new field is in neither set.
+LAUNCH_ONLY = frozenset({
     "num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
     "node_deployment", "node_work_queue", "rendezvous_timeout_s", "max_restarts",
-    "accelerate_config_file", "timeout_s", "hang_timeout_s", "heartbeat_steps", "epochs"}
+    "accelerate_config_file", "timeout_s", "hang_timeout_s", "heartbeat_steps"})
+# Fields a sweep may vary: the recipe (epochs is the sweep's budget, not a searched value).
+SEARCHABLE = frozenset(TrainingSpec.model_fields) - LAUNCH_ONLY - {"epochs"}
 
 
 class Distribution(Spec):
