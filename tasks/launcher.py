@@ -104,6 +104,10 @@ def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         # Without it, `--multi_gpu` on a CPU-only host starts N processes that each train
         # alone as a world of one.
         env["ACCELERATE_USE_CPU"] = "1"
+    elif env.get("TRAINFLOW_FORCE_CPU") != "1":
+        # An ACCELERATE_USE_CPU exported for CPU runs (a shell profile, a pod spec) would make
+        # a GPU host train on the CPU over gloo; only TRAINFLOW_FORCE_CPU=1 asks for that.
+        env.pop("ACCELERATE_USE_CPU", None)
     # Make `training` importable in the ranks wherever the launch is started from.
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

@@ -62,3 +62,19 @@ def test_a_machine_of_several_joins_by_c10d_and_only_machine_0_hosts_the_store()
     assert one[one.index("--max_restarts") + 1] == "2" and "--max_restarts" not in zero
     with pytest.raises(ValueError, match="needs training.main_process_ip"):
         launcher.launch_command(TrainingSpec(num_machines=2), "training.train", [])
+
+
+@pytest.mark.parametrize("cuda, exported, forced, expected", [
+    (False, None, None, "1"),   # a CPU host: real DDP on gloo needs it
+    (True, "1", None, None),    # a GPU host: an exported CPU switch is dropped
+    (True, "1", "1", "1"),      # unless the user asks for the CPU explicitly
+])
+def test_the_cpu_switch_reaches_a_launch_only_where_meant(monkeypatch, cuda, exported, forced,
+                                                          expected):
+    monkeypatch.setattr(launcher, "cuda_available", lambda: cuda)
+    for name, value in (("ACCELERATE_USE_CPU", exported), ("TRAINFLOW_FORCE_CPU", forced)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert launcher.launch_env().get("ACCELERATE_USE_CPU") == expected

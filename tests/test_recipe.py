@@ -13,7 +13,7 @@ from tasks.launcher import LaunchFailed
 from tasks.train import run_training
 from training.engine.progress import ProgressReader
 from training.handoff import TrainJob
-from training.models.build import head_of, model_for, pretrained_weights_file
+from training.models.build import head_of, load_trained, model_for, pretrained_weights_file
 
 pytestmark = pytest.mark.slow
 LOG = logging.getLogger("test-recipe")
@@ -109,7 +109,11 @@ def test_the_other_recipe_switches_train(digits_split, tmp_path):
     assert result.world_size == 2 and result.best_metrics["val_accuracy"] > 0.3
 
 
-def test_compiled_training_saves_plain_weights(digits_split, tmp_path):
-    job = _job(digits_split, tmp_path, "compiled", epochs=1, compile=True, num_processes=1)
+def test_compiled_ddp_training_saves_plain_weights(digits_split, tmp_path):
+    """Two processes with compile: DDP wraps the original module (compiled after prepare), so
+    the best weights are plain and load strictly at the end (before, the run failed there)."""
+    job = _job(digits_split, tmp_path, "compiled", epochs=2, compile=True, num_processes=2)
     result = run_training(job, LOG)
+    assert result.world_size == 2
     assert not any(k.startswith("_orig_mod.") for k in load_file(result.weights))
+    load_trained(job, result.weights)  # strict

@@ -56,9 +56,10 @@ def train_one_epoch(learner: Learner, loader, epoch: int) -> dict:
             if accelerator.sync_gradients:
                 learner.scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        totals += torch.stack([loss.detach().float() * len(labels),
-                               (logits.argmax(1) == labels).sum().float(),
-                               torch.tensor(float(len(labels)), device=totals.device)])
+        # Counted on the device: a Python number copied up each step would wait for the GPU.
+        totals[0] += loss.detach().float() * labels.numel()
+        totals[1] += (logits.argmax(1) == labels).sum()
+        totals[2] += labels.numel()
         if step % learner.spec.heartbeat_steps == 0:
             learner.progress.emit("heartbeat", phase="train", epoch=epoch, step=step)
     # Summed over ranks: the sampler pads the last round, so a few images may count twice
