@@ -79,5 +79,8 @@ def sweep_flow(
 
 
 if __name__ == "__main__":
-    result = sweep_flow(**json.loads(sys.argv[1]))
+    from commands.local_server import local_prefect_api
+
+    with local_prefect_api():  # PREFECT_API_URL, else the reused local server
+        result = sweep_flow(**json.loads(sys.argv[1]))
     print(result.model_dump_json(indent=2, exclude={"sweep": {"best"}}))

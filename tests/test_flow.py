@@ -101,23 +101,3 @@ def test_bad_parameters_fail_before_any_work(prefect_engine, tmp_path):
         train_flow(dataset={"source": "builtin:digits"}, training={"model": "resnet-18"})
     with pytest.raises(Exception, match="does not exist"):
         train_flow(dataset={"source": str(tmp_path / "nowhere")})
-
-
-@pytest.mark.slow
-def test_a_flow_started_by_hand_on_a_fresh_home_starts_quietly(tmp_path):
-    """As the README shows it, with none of the Makefile's variables: no error, no traceback."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))
-           and k not in ("DO_NOT_TRACK", "TRAINFLOW_HOME")}
-    env.update(HOME=str(tmp_path), TRAINFLOW_HOME=str(tmp_path / "trainflow"))
-    params = {"dataset": {"source": "builtin:digits"},
-              "training": {"epochs": 1, "image_size": 12, "batch_size": 50}}
-    done = subprocess.run([sys.executable, "-m", "flows.train_flow", json.dumps(params)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-3000:]
-    assert "Traceback" not in output and "| ERROR" not in output, output[-3000:]
-    assert '"promoted": true' in done.stdout

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import optuna
 import pytest
@@ -132,11 +133,16 @@ def test_a_killed_sweep_resumes_without_redoing_finished_trials(tmp_path):
             except (ValueError, KeyError, optuna.exceptions.OptunaError):
                 continue
     assert len(finished) >= 2 and first.poll() is None, "the sweep never got two trials done"
-    os.killpg(first.pid, signal.SIGKILL)  # the flow process and its Prefect server
+    os.killpg(first.pid, signal.SIGKILL)  # the flow process (its server runs on, reused)
     first.wait(30)
     before = {t.number: t.params for t in finished}
 
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    finally:  # the local Prefect server both runs used
+        subprocess.run([str(Path(sys.executable).parent / "trainflow"), "services", "stop",
+                        "--folder", str(tmp_path / "svc")], env=env, capture_output=True,
+                       timeout=60)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     trials = _trials(storage)
     counted = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
