@@ -42,7 +42,7 @@ def credentials_from_secret_block() -> KaggleCredentials | None:
 def prepare_dataset(dataset: DatasetSpec) -> DatasetRef:
     """Fetch (once) and list the labelled images of the dataset source."""
     logger = run_logger()
-    ref = prepare(dataset, home(), credentials_from_secret_block())
+    ref = prepare(dataset, home(), credentials_from_secret_block(), warn=logger.warning)
     logger.info("dataset %s: %d images in %d classes at %s (fingerprint %s)", dataset.source,
                 ref.image_count, len(ref.class_names), ref.root, ref.fingerprint[:12])
     return ref

@@ -99,7 +99,9 @@ def threads_per_process(processes: int) -> int:
 
 
 def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra or {})}
+    # The task logs each epoch from rank 0's events: the rank need not print it too.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRAINFLOW_TASK_REPORTS_EPOCHS": "1",
+           **(extra or {})}
     if not cuda_available():
         # Without it, `--multi_gpu` on a CPU-only host starts N processes that each train
         # alone as a world of one.

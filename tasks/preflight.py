@@ -11,7 +11,7 @@ from prefect import task
 from tasks import run_logger
 from tasks.mlflow_logging import fail_fast_http
 from training.config import DatasetSpec, TrainingSpec
-from training.data.kaggle import COMPLETE_MARKER, MISSING_CREDENTIALS, find_credentials
+from training.data.kaggle import MISSING_CREDENTIALS, find_credentials
 from training.data.sources import check_source
 from training.storage import home, tracking_uri
 
@@ -44,9 +44,10 @@ def check_mlflow() -> None:
 def check_dataset(dataset: DatasetSpec) -> None:
     check_source(dataset)
     if dataset.kind == "kaggle":
+        from training.data.kaggle import complete_copies
         from training.data.sources import source_root
 
-        cached = (source_root(dataset, home()) / COMPLETE_MARKER).is_file()
+        cached = bool(complete_copies(source_root(dataset, home())))
         if not cached and not os.environ.get("KAGGLE_SECRET_BLOCK") and find_credentials() is None:
             raise PreflightError(MISSING_CREDENTIALS)
 

@@ -8,6 +8,8 @@ to the archive, which is then fetched with GET. Knobs let tests script failures.
 from __future__ import annotations
 
 import base64
+import datetime
+import hashlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -64,10 +66,17 @@ class KaggleStandIn:
                 standin.requests.append(("POST", self.path))
                 if not self._authorized():
                     return self._json(401, {"code": 401, "message": "Unauthenticated"})
+                if self.path.endswith("competitions.CompetitionApiService/ListDataFiles"):
+                    return self._files(f"competitions/{body.get('competitionName')}", "files")
+                if self.path.endswith("datasets.DatasetApiService/ListDatasetFiles"):
+                    return self._files(f"datasets/{body.get('ownerSlug')}/"
+                                       f"{body.get('datasetSlug')}", "datasetFiles")
                 if self.path.endswith("competitions.CompetitionApiService/DownloadDataFiles"):
                     ref = f"competitions/{body.get('competitionName')}"
                 elif self.path.endswith("datasets.DatasetApiService/DownloadDataset"):
                     ref = f"datasets/{body.get('ownerSlug')}/{body.get('datasetSlug')}"
+                    if body.get("datasetVersionNumber"):  # a pinned version: "<ref>@v<N>"
+                        ref = f"{ref}@v{body['datasetVersionNumber']}"
                 else:
                     return self._json(404, {"code": 404, "message": "no such method"})
                 if ref in standin.forbidden:
@@ -78,6 +87,18 @@ class KaggleStandIn:
                 self.send_header("Location", f"/files/{ref}/{ref.rsplit('/', 1)[1]}.zip")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
+
+            def _files(self, ref: str, field: str) -> None:
+                """The file list of the version served now: a new archive is a new version,
+                with its own size and date, as on Kaggle."""
+                if ref not in standin.archives:
+                    return self._json(404, {"code": 404, "message": "Not found"})
+                data = standin.archives[ref]
+                stamp = int(hashlib.sha256(data).hexdigest()[:6], 16)
+                date = datetime.datetime(2024, 1, 1) + datetime.timedelta(seconds=stamp)
+                return self._json(200, {field: [{
+                    "ref": ref, "name": f"{ref.rsplit('/', 1)[1]}.zip", "totalBytes": len(data),
+                    "creationDate": date.strftime("%Y-%m-%dT%H:%M:%SZ")}]})
 
             def do_GET(self):
                 standin.requests.append(("GET", self.path))

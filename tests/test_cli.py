@@ -85,6 +85,7 @@ def _two_runs_and_a_stop(tmp_path: Path, env: dict, config: Path) -> None:
     # Quiet on a fresh home: no error line, no traceback, no start-up time-out.
     for bad in ("Timed out", "Traceback", "| ERROR"):
         assert bad not in first.stderr + first.stdout, bad
+    assert (first.stdout + first.stderr).count("epoch 1/1 ") == 1  # one line per epoch
     record = json.loads((tmp_path / ".prefect" / "trainflow-server.json").read_text())
     lines = first.stdout.splitlines()
     # The summary: the config's model name and image size, the flag's epochs.

@@ -45,6 +45,9 @@ class DatasetSpec(Spec):
     download_retries: int = Field(
         3, ge=0, le=20, description="Retries of an interrupted Kaggle download."
     )
+    version: Literal["latest"] | int = Field(
+        "latest", description='Kaggle datasets: "latest" (each run asks Kaggle for the current '
+        "version and downloads a new one beside the old) or a version number that pins it.")
 
     @field_validator("source")
     @classmethod
@@ -74,6 +77,16 @@ class DatasetSpec(Spec):
                 "or a local folder path"
             )
         return source
+
+    @model_validator(mode="after")
+    def _version_pins_a_dataset(self) -> DatasetSpec:
+        if self.version != "latest":
+            if not _KAGGLE_DATASET.match(self.source):
+                raise ValueError(f"dataset.version {self.version} pins a Kaggle dataset's version; "
+                                 f"{self.source!r} has none: leave version \"latest\"")
+            if self.version < 1:
+                raise ValueError(f"dataset.version must be 1 or more, got {self.version}")
+        return self
 
     @field_validator("labels")
     @classmethod

@@ -70,47 +70,131 @@ MISSING_CREDENTIALS = (
 
 
 def download(kind: str, ref: str, target: Path, credentials: KaggleCredentials | None,
-             retries: int = 3) -> Path:
-    """Download and extract a competition or dataset into `target` once; later calls reuse it.
+             retries: int = 3, version: str | int = "latest", warn=None) -> Path:
+    """The dataset's copy for `version`, downloaded and extracted once into a folder of its own.
 
-    `target` gains a `.complete` marker only after the archive was fully downloaded, its size
-    checked, and extracted; anything without the marker is discarded and fetched again.
+    Each run asks Kaggle which version is current (for a competition, its file list with sizes
+    and dates; for a dataset, the same of its latest or pinned version), so a scheduled retrain
+    sees new data. A version downloads into `target/versions/<key>/` beside the older copies,
+    which stay. Kaggle unreachable: the newest complete copy is used, with a warning; none:
+    an error. A folder gains `.complete` only after the archive was fully downloaded and
+    extracted; anything without it is discarded and fetched again.
     """
     target = Path(target)
-    if (target / COMPLETE_MARKER).is_file():
-        return target
     credentials = credentials or find_credentials()
-    if credentials is None:
-        raise DatasetError(MISSING_CREDENTIALS)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():
-        shutil.rmtree(target)  # an extraction that never completed
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.download.", dir=target.parent))
     try:
-        archive = _fetch_archive(kind, ref, work, credentials, retries)
-        extract_zip(archive, target)
-        (target / COMPLETE_MARKER).write_text(json.dumps({"source": f"kaggle:{kind}/{ref}"}))
+        if credentials is None:
+            raise KaggleUnreachable("no Kaggle credentials here")
+        key = current_version(kind, ref, credentials, version)
+    except KaggleUnreachable as e:
+        copies = complete_copies(target)
+        if not copies:
+            if credentials is None:
+                raise DatasetError(MISSING_CREDENTIALS) from None
+            raise DatasetError(f"cannot reach Kaggle to check kaggle:{kind}/{ref} ({e}) and no "
+                               f"complete copy is under {target}; run again when it is "
+                               "reachable") from None
+        (warn or print)(f"cannot ask Kaggle for the current version ({e}); using the newest "
+                        f"complete copy of kaggle:{kind}/{ref}, {copies[0]}")
+        return copies[0]
+    folder = target / "versions" / key
+    if (folder / COMPLETE_MARKER).is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    if folder.exists():
+        shutil.rmtree(folder)  # an extraction that never completed
+    work = Path(tempfile.mkdtemp(prefix=f".{key}.download.", dir=folder.parent))
+    try:
+        archive = _fetch_archive(kind, ref, work, credentials, retries, version)
+        extract_zip(archive, folder)
+        (folder / COMPLETE_MARKER).write_text(json.dumps({"source": f"kaggle:{kind}/{ref}",
+                                                          "version": key}))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return target
+    return folder
 
 
-def _fetch_archive(kind: str, ref: str, work: Path, credentials: KaggleCredentials,
-                   retries: int) -> Path:
+class KaggleUnreachable(Exception):
+    pass
+
+
+def complete_copies(target: Path) -> list[Path]:
+    """The complete downloads of a source, newest first."""
+    done = [p.parent for p in (Path(target) / "versions").glob(f"*/{COMPLETE_MARKER}")]
+    return sorted(done, key=lambda p: (p / COMPLETE_MARKER).stat().st_mtime, reverse=True)
+
+
+def current_version(kind: str, ref: str, credentials: KaggleCredentials,
+                    version: str | int = "latest") -> str:
+    """A key naming the version Kaggle serves now: a digest of its files' names, sizes and
+    dates (a pinned dataset version is its number)."""
+    import hashlib
+
     import requests
-    from kaggle.api.kaggle_api_extended import KaggleApi
+
+    if version != "latest":
+        return f"v{int(version)}"
+    client = _client(credentials)
+    files, token = [], None
+    try:
+        with client:
+            while True:
+                page, token = _list_files(client, kind, ref, token)
+                files += page
+                if not token:
+                    break
+    except requests.exceptions.HTTPError as e:
+        raise _explain(e, kind, ref) from None
+    except requests.exceptions.ConnectionError as e:
+        raise KaggleUnreachable(str(e).split(":")[0] or "connection refused") from None
+    listing = json.dumps(sorted(files), default=str)
+    return "files-" + hashlib.sha256(listing.encode()).hexdigest()[:12]
+
+
+def _list_files(client, kind: str, ref: str, token: str | None) -> tuple[list, str | None]:
+    if kind == "competitions":
+        from kagglesdk.competitions.types.competition_api_service import ApiListDataFilesRequest
+
+        request = ApiListDataFilesRequest()
+        request.competition_name = ref
+        if token:
+            request.page_token = token
+        response = client.competitions.competition_api_client.list_data_files(request)
+        found = response.files
+    else:
+        from kagglesdk.datasets.types.dataset_api_service import ApiListDatasetFilesRequest
+
+        request = ApiListDatasetFilesRequest()
+        request.owner_slug, request.dataset_slug = ref.split("/", 1)
+        if token:
+            request.page_token = token
+        response = client.datasets.dataset_api_client.list_dataset_files(request)
+        found = response.dataset_files
+    return ([(f.name, f.total_bytes, str(f.creation_date)) for f in found],
+            response.next_page_token or None)
+
+
+def _client(credentials: KaggleCredentials):
     from kagglesdk import KaggleClient
     from kagglesdk.kaggle_env import get_env
 
     # KaggleApi.build_kaggle_client() picks PROD unless given CLI flags; building the SDK
     # client with get_env() honours KAGGLE_API_ENVIRONMENT (TEST is the loopback used by tests).
-    client = KaggleClient(env=get_env(), username=credentials.username,
-                          password=credentials.key, api_token=credentials.token)
+    return KaggleClient(env=get_env(), username=credentials.username,
+                        password=credentials.key, api_token=credentials.token)
+
+
+def _fetch_archive(kind: str, ref: str, work: Path, credentials: KaggleCredentials,
+                   retries: int, version: str | int = "latest") -> Path:
+    import requests
+    from kaggle.api.kaggle_api_extended import KaggleApi
+
+    client = _client(credentials)
     api = KaggleApi()
     partial = work / "download.zip.part"
     with client:
         try:
-            response = _request_download(client, kind, ref)
+            response = _request_download(client, kind, ref, version)
         except requests.exceptions.HTTPError as e:
             raise _explain(e, kind, ref) from None
         except requests.exceptions.ConnectionError as e:
@@ -128,7 +212,7 @@ def _fetch_archive(kind: str, ref: str, work: Path, credentials: KaggleCredentia
     return archive
 
 
-def _request_download(client, kind: str, ref: str):
+def _request_download(client, kind: str, ref: str, version: str | int = "latest"):
     if kind == "competitions":
         from kagglesdk.competitions.types.competition_api_service import (
             ApiDownloadDataFilesRequest,
@@ -143,6 +227,8 @@ def _request_download(client, kind: str, ref: str):
     request = ApiDownloadDatasetRequest()
     request.owner_slug = owner
     request.dataset_slug = slug
+    if version != "latest":
+        request.dataset_version_number = int(version)
     return client.datasets.dataset_api_client.download_dataset(request)
 
 

@@ -55,14 +55,16 @@ def check_source(spec: DatasetSpec) -> None:
         )
 
 
-def prepare(spec: DatasetSpec, home: Path, credentials: KaggleCredentials | None = None) -> DatasetRef:
+def prepare(spec: DatasetSpec, home: Path, credentials: KaggleCredentials | None = None,
+            warn=None) -> DatasetRef:
     check_source(spec)
     root = source_root(spec, home)
     if spec.kind == "builtin":
         write_digits(root)
     elif spec.kind == "kaggle":
         kind, ref = spec.kaggle_ref
-        download(kind, ref, root, credentials, retries=spec.download_retries)
+        root = download(kind, ref, root, credentials, retries=spec.download_retries,
+                        version=spec.version, warn=warn)
     images_root = root / spec.subdir if spec.subdir else root
     pairs = list_labelled_files(images_root, spec.labels, root)
     counts = Counter(label for _, label in pairs)
