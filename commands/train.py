@@ -53,26 +53,27 @@ class RunArgs(BaseModel):
     watch: bool = Field(False, description="Wait for the run to finish.")
 
 
-def parse(model: type[BaseModel], argv: list[str], prog: str) -> BaseModel:
-    """The model from argv; a bad value exits with its message (no traceback)."""
+def parse(model: type[BaseModel], argv: list[str], prog: str) -> tuple[BaseModel, dict]:
+    """The model from argv, and the blocks' fields that argv names (typed); a bad value exits
+    with its message (no traceback)."""
     from pydantic_settings import CliSettingsSource
 
     source = CliSettingsSource(model, cli_prog_name=prog, cli_implicit_flags=True,
                                cli_kebab_case=False)
     try:
-        return CliApp.run(model, cli_args=argv, cli_settings_source=source)
+        args = CliApp.run(model, cli_args=argv, cli_settings_source=source)
+        # The parsed model counts every default as set; the source knows what was typed.
+        typed = source(args=argv)()
+        given = {name: BLOCKS[name].model_validate(typed[name]).model_dump(
+            mode="json", include=set(typed[name])) for name in BLOCKS
+            if isinstance(typed.get(name), dict)}
     except ValidationError as e:
         lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
         sys.exit(f"{prog}: invalid parameters\n" + "\n".join(lines))
+    return args, given
 
 
-def given(args: BaseModel) -> dict:
-    """Only the blocks and fields named on the command line."""
-    return {name: getattr(args, name).model_dump(mode="json", exclude_unset=True)
-            for name in BLOCKS if name in args.model_fields_set and getattr(args, name)}
-
-
-def train_parameters(args: TrainArgs) -> dict:
+def train_parameters(args: TrainArgs, given: dict) -> dict:
     """The flow's parameters: defaults, under the config file, under the flags."""
     base: dict = {"dataset": {"source": "builtin:digits"}}
     if args.config is not None:
@@ -87,7 +88,7 @@ def train_parameters(args: TrainArgs) -> dict:
             sys.exit(f"trainflow train: {args.config} has {sorted(unknown)}; a config holds "
                      f"only the blocks {', '.join(BLOCKS)}, as a deployment's parameters")
         base = merge_blocks(base, loaded, tuple(BLOCKS))
-    merged = merge_blocks(base, given(args), tuple(BLOCKS))
+    merged = merge_blocks(base, given, tuple(BLOCKS))
     try:
         return {name: model.model_validate(merged.get(name) or {}).model_dump(
             mode="json", exclude_unset=True) for name, model in BLOCKS.items()}
@@ -155,18 +156,18 @@ def run_train(params: dict, as_json: bool, force: bool = False) -> None:
 
 
 def train(argv: list[str]) -> None:
-    args = parse(TrainArgs, argv, "trainflow train")
-    run_train(train_parameters(args), args.json_output, args.force)
+    args, given = parse(TrainArgs, argv, "trainflow train")
+    run_train(train_parameters(args, given), args.json_output, args.force)
 
 
 def run(argv: list[str]) -> None:
-    args = parse(RunArgs, argv, "trainflow run")
+    args, given = parse(RunArgs, argv, "trainflow run")
     from prefect.deployments import run_deployment
 
-    flow_run = run_deployment(args.deployment, parameters=given(args),
+    flow_run = run_deployment(args.deployment, parameters=given,
                               timeout=None if args.watch else 0)
     print(f"flow run {flow_run.name} ({flow_run.id}) of {args.deployment}: "
           f"{flow_run.state.name if flow_run.state else 'scheduled'}; fields set: "
-          f"{json.dumps(given(args))}")
+          f"{json.dumps(given)}")
     if args.watch and flow_run.state and not flow_run.state.is_completed():
         sys.exit(1)

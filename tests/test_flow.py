@@ -76,11 +76,12 @@ def test_full_flow_on_digits(prefect_engine, session_home):
     assert "challenger" in forced.registration.aliases
 
     # Reproduce version 1 from what was recorded on it.
-    from commands.rerun import recorded_parameters
+    from commands.rerun import recorded
 
-    params = recorded_parameters("flow-digits", reg.version)
-    assert params["training"]["epochs"] == SMALL["epochs"] and params["force"] is True
-    again = train_flow(**params)
+    params, _ = recorded("flow-digits", reg.version)
+    assert params["training"]["epochs"] == SMALL["epochs"]
+    assert "num_processes" not in params["training"]  # launch-only: not replayed
+    again = train_flow(**params, force=True)
     redo = client.get_model_version("flow-digits", again.registration.version)
     assert redo.tags[SPEC_HASH] == version.tags[SPEC_HASH]
     assert redo.tags[MANIFEST_SHA256] == version.tags[MANIFEST_SHA256]
