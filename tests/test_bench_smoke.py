@@ -18,3 +18,17 @@ def test_bench_runs_on_a_tiny_setting():
     assert len(table) == (1 + 2) + (1 + 12)
     assert "input pipeline alone, ours/baseline" in done.stdout
     assert "ours/baseline images/s" in done.stdout and "of the ceiling" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_runs_in_its_cpu_mode():
+    """bench/gpu.py must work the day a GPU machine is lent: its reduced mode runs here."""
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--cpu", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "| 64 px, loader_workers 0 |" in out and "| 64 px, loader_workers 1 |" in out
+    assert "| fp32, channels_last True, cudnn.benchmark False | 16 |" in out
+    assert "| 2 process(es) | 2 |" in out  # the end-to-end row ran real 2-process DDP
+    assert "compile smoke: 2 processes with compile: true ran to loadable weights" in out
+    assert "Profile of 20 steps" in out
