@@ -51,8 +51,8 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def launch_command(spec: TrainingSpec, module: str, args: list[str], port: int | None = None
-                   ) -> list[str]:
+def launch_command(spec: TrainingSpec, module: str, args: list[str], port: int | None = None,
+                   env: dict[str, str] | None = None) -> list[str]:
     """The `accelerate launch` command line for this spec."""
     command = [sys.executable, "-m", "accelerate.commands.launch"]
     if spec.accelerate_config_file:
@@ -64,7 +64,8 @@ def launch_command(spec: TrainingSpec, module: str, args: list[str], port: int |
             command += ["--multi_gpu"]
         command += ["--num_processes", str(total), "--num_machines", str(spec.num_machines),
                     "--mixed_precision", spec.mixed_precision, "--dynamo_backend", "no",
-                    "--num_cpu_threads_per_process", str(threads_per_process(per_machine))]
+                    "--num_cpu_threads_per_process",
+                    str(threads_per_process(per_machine, env))]
         if spec.num_machines > 1:
             command += multi_machine_options(spec)
         if spec.max_restarts:
@@ -87,14 +88,16 @@ def multi_machine_options(spec: TrainingSpec) -> list[str]:
             "--rdzv_backend", "c10d", "--rdzv_conf", conf]
 
 
-def threads_per_process(processes: int) -> int:
-    """This machine's cores shared out among its ranks, unless OMP_NUM_THREADS says otherwise.
+def threads_per_process(processes: int, env: dict[str, str] | None = None) -> int:
+    """This machine's cores shared out among its ranks, unless OMP_NUM_THREADS (threads per
+    process, in the launch's environment: a sweep trial's share, say) says otherwise.
 
     Left to itself, `accelerate launch` sets OMP_NUM_THREADS=1, so a single process on a CPU
     machine trains on one core and leaves the others idle.
     """
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    given = (env if env is not None else os.environ).get("OMP_NUM_THREADS", "")
+    if given.isdigit():
+        return max(1, int(given))
     return max(1, len(os.sched_getaffinity(0)) // processes)
 
 
@@ -216,12 +219,13 @@ def launch(spec: TrainingSpec, module: str, args: list[str], output_dir: Path,
     (and only for a port we chose) the launch is repeated on a new port.
     """
     for attempt in range(1, PORT_ATTEMPTS + 1):
-        command = launch_command(spec, module, args)
+        env = launch_env(extra_env)
+        command = launch_command(spec, module, args, env=env)
         logger.info("launching: %s", " ".join(command))
         watch = LaunchWatch(on_line=lambda line: logger.info("%s", line), on_event=on_event,
                             hang_timeout_s=spec.hang_timeout_s, timeout_s=spec.timeout_s)
         try:
-            return run_launch(command, launch_env(extra_env), output_dir, watch)
+            return run_launch(command, env, output_dir, watch)
         except PortTaken:
             if spec.main_process_port or spec.num_machines > 1 or attempt == PORT_ATTEMPTS:
                 raise

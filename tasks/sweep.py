@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import queue
 import tempfile
 import time
@@ -91,19 +92,42 @@ def suggest(trial: optuna.Trial, name: str, dist: Distribution):
     return trial.suggest_categorical(name, dist.choice)
 
 
-def device_slots(base: TrainingSpec, concurrency: int) -> queue.Queue:
-    """What each concurrent trial may use: its own GPUs, or (CPU) the base spec as it is."""
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, named as CUDA_VISIBLE_DEVICES names them (indices or
+    UUIDs); a trial's CUDA_VISIBLE_DEVICES must be a subset of these, never 0..n-1 blindly."""
     import torch
 
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    names = [d.strip() for d in listed.split(",") if d.strip()] if listed else []
+    return (names or [str(i) for i in range(count)])[:count]
+
+
+def device_slots(base: TrainingSpec, concurrency: int, gpus: list[str] | None = None,
+                 cores: int | None = None) -> queue.Queue:
+    """What each concurrent trial may use.
+
+    GPUs: the visible ones shared out in contiguous groups, the leftovers going one each to the
+    first groups, and never more slots than GPUs (a trial without a GPU would train silently on
+    the CPU). CPU: the base spec's processes, with this machine's cores divided among the
+    concurrent trials.
+    """
+    gpus = visible_gpus() if gpus is None else gpus
     slots: queue.Queue = queue.Queue()
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    per = max(1, gpus // concurrency) if gpus else 0
-    for i in range(concurrency):
-        if gpus:
-            devices = ",".join(str(d) for d in range(i * per, (i + 1) * per))
-            slots.put(({"CUDA_VISIBLE_DEVICES": devices}, {"num_processes": per}))
-        else:
-            slots.put(({}, {}))
+    if gpus:
+        groups = min(concurrency, len(gpus))
+        size, extra = divmod(len(gpus), groups)
+        start = 0
+        for i in range(groups):
+            mine = gpus[start:start + size + (i < extra)]
+            start += len(mine)
+            slots.put(({"CUDA_VISIBLE_DEVICES": ",".join(mine)}, {"num_processes": len(mine)}))
+        return slots
+    cores = cores or len(os.sched_getaffinity(0))
+    per_trial = max(1, cores // concurrency)
+    threads = max(1, per_trial // base.resolved_num_processes())
+    for _ in range(concurrency):
+        slots.put(({"OMP_NUM_THREADS": str(threads)}, {}))
     return slots
 
 
@@ -139,6 +163,10 @@ def run_trials(data: SplitResult, base: TrainingSpec, sweep: SweepSpec, source: 
     client = MlflowClient(tracking_uri())
     experiment = client.get_run(parent_run_id).info.experiment_id
     slots = device_slots(base, sweep.max_concurrency)
+    if (trials_at_once := slots.qsize()) < sweep.max_concurrency:
+        logger.warning("max_concurrency %d is above the %d visible GPUs: %d trials at once, "
+                       "one GPU or more each", sweep.max_concurrency, trials_at_once,
+                       trials_at_once)
     folder = home() / "sweeps" / name
 
     def objective(trial: optuna.Trial) -> float:
@@ -155,7 +183,7 @@ def run_trials(data: SplitResult, base: TrainingSpec, sweep: SweepSpec, source: 
             slots.put((env, launch))
 
     if remaining > 0:
-        study.optimize(objective, n_trials=remaining, n_jobs=sweep.max_concurrency,
+        study.optimize(objective, n_trials=remaining, n_jobs=slots.qsize(),
                        timeout=sweep.budget_s, catch=(LaunchFailed, ValidationError))
     return summarize(study, base, storage, client, parent_run_id)
 

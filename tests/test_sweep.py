@@ -166,3 +166,33 @@ def test_bad_sweeps_are_refused_before_any_trial(prefect_engine, tmp_path, param
         sweep_flow(dataset={"source": "builtin:digits"}, training=SMALL,
                    storage=f"sqlite:///{tmp_path / 'optuna.db'}", **params)
     assert not (tmp_path / "optuna.db").exists()
+
+
+def _slots(queue_) -> list:
+    return [queue_.get() for _ in range(queue_.qsize())]
+
+
+def test_trials_are_placed_on_the_visible_gpus_and_share_the_cores(monkeypatch):
+    """A stub device count stands in for GPUs this machine lacks."""
+    import torch
+
+    from tasks.sweep import device_slots, visible_gpus
+    from training.config import TrainingSpec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6")
+    assert visible_gpus() == ["3", "5", "6"]  # what the user allowed, not 0..2
+    base = TrainingSpec(num_processes=2)
+    assert _slots(device_slots(base, 2)) == [({"CUDA_VISIBLE_DEVICES": "3,5"},
+                                              {"num_processes": 2}),
+                                             ({"CUDA_VISIBLE_DEVICES": "6"},
+                                              {"num_processes": 1})]  # the leftover used
+    # More trials at once than GPUs: one GPU each, never a trial without one.
+    assert [env["CUDA_VISIBLE_DEVICES"] for env, _ in _slots(device_slots(base, 5))] == [
+        "3", "5", "6"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert visible_gpus() == ["0", "1", "2"]
+    # No GPU: each of 2 trials gets half of 8 cores, shared by its 2 processes.
+    assert _slots(device_slots(base, 2, gpus=[], cores=8)) == [
+        ({"OMP_NUM_THREADS": "2"}, {}), ({"OMP_NUM_THREADS": "2"}, {})]
