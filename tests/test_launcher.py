@@ -27,7 +27,7 @@ print("trained")
 def test_a_taken_rendezvous_port_is_retried_on_a_new_port(tmp_path, monkeypatch):
     commands = []
 
-    def command(spec, module, args, port=None):
+    def command(spec, module, args, port=None, env=None):
         commands.append(launcher.free_port())
         return [sys.executable, "-c", FLAKY, str(tmp_path / "taken")]
 
