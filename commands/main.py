@@ -2,6 +2,7 @@
 
     trainflow train [--training.epochs 5 ...] [--config FILE.yaml] [--json]   # train-flow here
     trainflow run DEPLOYMENT [--training.epochs 2 ...] [--watch]   # through a worker
+    trainflow sweep --search_space '{"lr": {"log_uniform": [1e-4, 0.1]}}' [--n_trials 8 ...]
     trainflow predict IMAGE... [--model NAME --alias champion]
     trainflow champion MODEL_NAME VERSION [--reason "..."]   # rollback, or a person's choice
     trainflow rerun MODEL_NAME VERSION [--deployment train-flow/digits]
@@ -16,6 +17,7 @@ import importlib
 import sys
 
 COMMANDS = {"train": "commands.train:train", "run": "commands.train:run",
+            "sweep": "commands.train:sweep",
             "predict": "commands.predict:main", "champion": "commands.champion:main",
             "rerun": "commands.rerun:main", "services": "commands.services:main"}
 

@@ -19,10 +19,19 @@ import sys
 import time
 from pathlib import Path
 
-from pydantic import AliasChoices, BaseModel, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import CliApp, CliPositionalArg
 
-from training.config import BLOCKS, DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec, merge_blocks
+from training.config import (
+    BLOCKS,
+    DatasetSpec,
+    Distribution,
+    RegistrySpec,
+    SplitSpec,
+    SweepSpec,
+    TrainingSpec,
+    merge_blocks,
+)
 
 
 class TrainArgs(BaseModel):
@@ -39,6 +48,24 @@ class TrainArgs(BaseModel):
                         "same data and spec.")
     json_output: bool = Field(False, validation_alias=AliasChoices("json", "json_output"),
                               description="Print the whole result as JSON, not the summary.")
+
+
+class SweepArgs(TrainArgs):
+    """Search the training spec with Optuna (sweep-flow); the best trial goes through the gate."""
+
+    search_space: dict[str, Distribution] = Field(
+        description='Training fields to vary, as JSON, e.g. \'{"lr": {"log_uniform": [1e-4, '
+        '1e-1]}, "batch_size": {"choice": [32, 64]}}\'.')
+    n_trials: int = Field(8, ge=1, description="Trials in the study, all runs together.")
+    max_concurrency: int = Field(1, ge=1, description="Trials at once.")
+    budget_s: float | None = Field(None, gt=0, description="Start no new trial after this long.")
+    storage: str | None = Field(None, description="Optuna storage URL (default: the home's).")
+
+    @field_validator("search_space")
+    @classmethod
+    def _searchable(cls, space: dict) -> dict:
+        SweepSpec._known_fields(space)  # the flow's own rule: searchable fields, valid choices
+        return space
 
 
 class RunArgs(BaseModel):
@@ -171,3 +198,26 @@ def run(argv: list[str]) -> None:
           f"{json.dumps(given)}")
     if args.watch and flow_run.state and not flow_run.state.is_completed():
         sys.exit(1)
+
+
+def sweep(argv: list[str]) -> None:
+    args, given = parse(SweepArgs, argv, "trainflow sweep")
+    from commands.local_server import local_prefect_api
+
+    params = train_parameters(args, given)
+    options = args.model_dump(mode="json", include={"n_trials", "max_concurrency", "budget_s",
+                                                    "storage", "search_space"})
+    with local_prefect_api():
+        from flows.sweep_flow import sweep_flow
+
+        result = sweep_flow(**params, **options)
+    if args.json_output:
+        print(result.model_dump_json(indent=2, exclude={"sweep": {"best"}}))
+        return
+    s = result.sweep
+    print(f"sweep     {s.study_name}: {json.dumps(s.trials)} trials; best "
+          f"{json.dumps(s.best_params)} (val accuracy {s.best_value:.4f}); "
+          f"{s.epochs_not_run} epochs saved by pruning")
+    print(f"test      accuracy {result.evaluation.metrics['accuracy']:.4f}, macro F1 "
+          f"{result.evaluation.metrics['macro_f1']:.4f} on {result.evaluation.images} images")
+    print(f"registry  {result.registration.model_name} {result.registration.description()}")

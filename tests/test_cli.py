@@ -42,11 +42,14 @@ def test_help_lists_every_field_and_exits_zero(tmp_path):
     (["--training.model", "resnet-18"], "unknown model 'resnet-18'"),
     (["--training.epoch", "3"], "unrecognized arguments: --training.epoch"),
     (["--dataset.source", "s3:bucket"], "unknown dataset source scheme 's3'"),
+    (["--search_space", '{"lr": {"range": [1, 2]}}'], "search_space.lr.range: Extra inputs"),
+    (["--search_space", '{"epochs": {"choice": [1, 2]}}'], "not searchable training fields"),
 ])
 def test_bad_values_are_refused_before_any_server(tmp_path, argv, message):
     env = _clean_env(tmp_path)
     started = time.monotonic()
-    done = subprocess.run([TRAINFLOW, "train", *argv], capture_output=True, text=True,
+    command = "sweep" if "--search_space" in argv else "train"
+    done = subprocess.run([TRAINFLOW, command, *argv], capture_output=True, text=True,
                           timeout=120, env=env)
     assert done.returncode != 0
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
