@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
 # 40 megapixels: far above any training photo, far below what exhausts memory when decoded.
@@ -26,6 +26,9 @@ class ImageCheck:
     ok: bool
     grayscale: bool = False
     reason: str = ""
+
+
+ORIENTATION = 0x0112  # the EXIF tag
 
 
 def open_image(path: Path | BinaryIO, channels: int | None,
@@ -53,6 +56,10 @@ def open_image(path: Path | BinaryIO, channels: int | None,
                     # cheaper than decoding full size and resizing.
                     img.draft("L" if channels == 1 else "RGB", draft)
                 img.load()
+                # A camera's photo stored sideways with an orientation tag is shown upright by
+                # every viewer: train, evaluate and serve it upright too. Untagged: untouched.
+                if img.getexif().get(ORIENTATION, 1) != 1:
+                    img = ImageOps.exif_transpose(img)
                 return img.convert("L" if channels == 1 else "RGB")
     except ImageRejected:
         raise

@@ -47,6 +47,10 @@ class Decoded:
     grayscale: list[bool]
 
 
+DECODER = 2
+"""Bumped whenever decoding changes what a file's pixels are (2: EXIF orientation applied)."""
+
+
 class DecodeStore:
     def __init__(self, split_folder: Path, side: int):
         self.side = side
@@ -67,8 +71,13 @@ class DecodeStore:
 
     def _read_index(self) -> dict:
         if self.index_path.is_file():
-            return json.loads(self.index_path.read_text())
-        return {"data": "images-0.u8", "rows": 0, "files": {}}
+            index = json.loads(self.index_path.read_text())
+            if index.get("decoder") != DECODER:
+                # Rows an older decoder wrote (before EXIF orientation) are decoded again into
+                # new rows; compaction reclaims the old ones.
+                index = {**index, "files": {}, "decoder": DECODER}
+            return index
+        return {"data": "images-0.u8", "rows": 0, "files": {}, "decoder": DECODER}
 
     def pending(self, index: dict, root: Path, relpaths: list[str]) -> list[str]:
         """The files the store has no current row for (new, or changed since decoded)."""
