@@ -17,13 +17,13 @@ from pydantic import BaseModel
 from tasks import run_logger
 from tasks.data import credentials_from_secret_block
 from tasks.launcher import launch
+from tasks.tracking import experiment_id, experiment_name
 from training.config import DatasetSpec, TrainingSpec
 from training.data.images import IMAGE_EXTENSIONS
 from training.data.kaggle import download
 from training.data.sources import check_source, source_root, write_digits
 from training.storage import home, tracking_uri, write_text_atomic
 
-EXPERIMENT = "predict-flow"
 KAGGLE_TEST_FOLDERS = ("test", "test1")  # where competitions keep their unlabelled images
 DOGS_VS_CATS = ("dogs-vs-cats-redux-kernels-edition", "dogs-vs-cats")
 
@@ -179,12 +179,8 @@ def kaggle_submission(predictions: Path, path: Path) -> Path:
 def publish_scores(model: ScoringModel, images: Images, scores: Scores) -> Scores:
     """The predictions in an MLflow run of the predict-flow experiment and a Prefect table."""
     client = MlflowClient(tracking_uri())
-    experiment = client.get_experiment_by_name(EXPERIMENT)
-    experiment_id = (experiment.experiment_id if experiment else
-                     client.create_experiment(EXPERIMENT, artifact_location=None if
-                                              tracking_uri().startswith("http") else
-                                              (home() / "mlartifacts").as_uri()))
-    run = client.create_run(experiment_id, tags={"trainflow.model_uri": model.uri,
+    experiment = experiment_id(client, experiment_name("predict"))
+    run = client.create_run(experiment, tags={"trainflow.model_uri": model.uri,
                                                  "trainflow.model_version": model.version,
                                                  "trainflow.images": images.source})
     client.log_batch(run.info.run_id, metrics=[

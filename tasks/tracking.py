@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import mlflow
@@ -18,20 +19,40 @@ from training.data.split import SPLITS, read_manifest
 from training.handoff import SplitResult
 from training.storage import home, tracking_uri
 
-EXPERIMENT = "train-flow"
+
+def experiment_name(kind: str = "train") -> str:
+    """The MLflow experiment of train-flow and sweep-flow runs ("train") or of predict-flow
+    runs ("predict"): TRAINFLOW_EXPERIMENT / TRAINFLOW_PREDICT_EXPERIMENT, else today's names."""
+    if kind == "predict":
+        return os.environ.get("TRAINFLOW_PREDICT_EXPERIMENT", "predict-flow")
+    return os.environ.get("TRAINFLOW_EXPERIMENT", "train-flow")
 
 
-def experiment_id(client: MlflowClient) -> str:
-    experiment = client.get_experiment_by_name(EXPERIMENT)
+def artifact_location(tracking: str) -> str | None:
+    """Where a new experiment keeps its artifacts, one rule for every experiment of ours.
+
+    TRAINFLOW_ARTIFACT_ROOT when set (e.g. s3://bucket/mlflow, for a team whose tracking URI
+    is its database); an MLflow server's own root (it proxies artifacts); else the home's
+    mlartifacts folder, not ./mlruns of whatever the working folder is.
+    """
+    if root := os.environ.get("TRAINFLOW_ARTIFACT_ROOT"):
+        return root
+    if tracking.startswith(("http", "databricks")):
+        return None
+    return (home() / "mlartifacts").as_uri()
+
+
+def experiment_id(client: MlflowClient, name: str | None = None) -> str:
+    """The experiment's id, created on first use (concurrent creators agree)."""
+    name = name or experiment_name()
+    experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
-    uri = client.tracking_uri
-    # A local SQLite store would otherwise put artifacts in ./mlruns of whatever the cwd is.
-    location = None if uri.startswith(("http", "databricks")) else (home() / "mlartifacts").as_uri()
     try:
-        return client.create_experiment(EXPERIMENT, artifact_location=location)
+        return client.create_experiment(name, artifact_location=artifact_location(
+            client.tracking_uri))
     except mlflow.exceptions.MlflowException:  # created concurrently by another flow run
-        return client.get_experiment_by_name(EXPERIMENT).experiment_id
+        return client.get_experiment_by_name(name).experiment_id
 
 
 @task
