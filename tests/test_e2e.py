@@ -306,3 +306,56 @@ def test_manual_approval_is_asked_and_the_answer_holds(stack):
         assert "champion" not in model.aliases
         [version] = stack.mlflow.search_model_versions(f"name='approval-{answer}'")
         assert version.tags[PROMOTION] == "not promoted" and said in version.description
+
+
+def test_retraining_scenario_grown_data_partial_override_rollback(stack, tmp_path):
+    """Through the server and worker: v1; the data grows and a run changes one field, so v2 is
+    judged against v1 on v2's own test images; a person rolls back to v1; a weaker v3 then
+    faces v1 and is not promoted."""
+    import shutil
+
+    from tasks.register import COMPARED_IMAGES, COMPARED_WITH
+    from training.data.sources import write_digits
+
+    digits = write_digits(tmp_path / "digits")
+    data = tmp_path / "data"
+    for label in range(10):
+        files = sorted((digits / str(label)).glob("*.png"))
+        (data / str(label)).mkdir(parents=True)
+        for f in files[: len(files) // 2]:
+            shutil.copy(f, data / str(label) / f.name)
+    deploy(stack, "scenario", {
+        "dataset": {"source": str(data)},
+        "training": {**SMALL, "epochs": 1, "lr": 0.002},
+        "registry": {"model_name": "scenario-digits"}})
+    name, mlflow = "scenario-digits", stack.mlflow
+
+    v1_run = run_with_param(stack, "train-flow/scenario")
+    assert wait_final(stack, v1_run).state.is_completed()
+    for label in range(10):  # the data grows: the other half of every class
+        for f in sorted((digits / str(label)).glob("*.png")):
+            shutil.copy(f, data / str(label) / f.name)
+    v2_run = run_with_param(stack, "train-flow/scenario", 'training={"epochs": 4}')
+    assert wait_final(stack, v2_run).state.is_completed()
+    params = mlflow_run_of(stack, v2_run).data.params
+    assert (params["epochs"], params["lr"], params["image_size"]) == ("4", "0.002", "12")
+    [v2] = [v for v in mlflow.search_model_versions(f"name='{name}'")
+            if v.tags[FLOW_RUN_ID] == v2_run]
+    v2_tests = int(float(mlflow_run_of(stack, v2_run).data.metrics["test_images"]))
+    v1_tests = int(float(mlflow_run_of(stack, v1_run).data.metrics["test_images"]))
+    assert v2_tests > v1_tests
+    assert v2.tags[COMPARED_WITH] == "1" and int(v2.tags[COMPARED_IMAGES]) == v2_tests
+    assert f"on the same {v2_tests} test images" in v2.description
+    assert mlflow.get_model_version_by_alias(name, "champion").version == v2.version, (
+        v2.description)
+
+    rollback = subprocess.run([str(services.BIN / "trainflow"), "champion", name, "1",
+                               "--reason", "rollback drill"], env=stack.env,
+                              capture_output=True, text=True, timeout=120)
+    assert rollback.returncode == 0, rollback.stderr[-2000:]
+    v3_run = run_with_param(stack, "train-flow/scenario", 'training={"lr": 1e-6}')
+    assert wait_final(stack, v3_run).state.is_completed()
+    [v3] = [v for v in mlflow.search_model_versions(f"name='{name}'")
+            if v.tags[FLOW_RUN_ID] == v3_run]
+    assert v3.tags[COMPARED_WITH] == "1" and "not promoted" in v3.description
+    assert mlflow.get_model_version_by_alias(name, "champion").version == "1"
