@@ -262,6 +262,17 @@ def test_a_run_that_sets_one_field_keeps_the_deployments_other_fields(stack):
     recorded = json.loads(version.tags["trainflow.flow_parameters"])["training"]
     assert (recorded["epochs"], recorded["batch_size"], recorded["lr_schedule"]) == (2, 40, "cosine")
 
+    # The same through the typed CLI, waiting for the run.
+    done = subprocess.run([str(services.BIN / "trainflow"), "run", "train-flow/partial",
+                           "--training.lr_schedule", "constant", "--watch"], env=stack.env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert 'fields set: {"training": {"lr_schedule": "constant"}}' in done.stdout
+    flow_run_id = re.search(r"\(([0-9a-f-]{36})\)", done.stdout).group(1)
+    params = mlflow_run_of(stack, flow_run_id).data.params
+    assert {k: params[k] for k in ("lr_schedule", "epochs", "batch_size")} == {
+        "lr_schedule": "constant", "epochs": "1", "batch_size": "40"}
+
 
 def wait_paused(stack: Stack, flow_run_id: str, timeout: float = 300):
     deadline = time.monotonic() + timeout
@@ -359,3 +370,45 @@ def test_retraining_scenario_grown_data_partial_override_rollback(stack, tmp_pat
             if v.tags[FLOW_RUN_ID] == v3_run]
     assert v3.tags[COMPARED_WITH] == "1" and "not promoted" in v3.description
     assert mlflow.get_model_version_by_alias(name, "champion").version == "1"
+
+
+def test_a_new_kaggle_version_reaches_the_next_deployment_run(stack, tmp_path):
+    """What the weekly schedule's runs see, through the worker: nothing new -> skipped (no new
+    version); a new version on Kaggle -> downloaded and trained."""
+    from tests.imagegen import dogs_vs_cats_zip
+    from tests.kaggle_standin import KaggleStandIn
+
+    slug, name = "dogs-vs-cats-redux-kernels-edition", "weekly-cats"
+    deploy(stack, "weekly", {
+        "dataset": {"source": f"kaggle:competitions/{slug}", "labels": "filename",
+                    "subdir": "train"},
+        "split": {"test_fraction": 0.3},
+        "training": {**SMALL, "image_size": 16, "batch_size": 16},
+        "registry": {"model_name": name}})
+    # The stand-in's test credentials reach the worker's flow run as its environment.
+    kaggle_env = {"KAGGLE_API_ENVIRONMENT": "TEST", "KAGGLE_USERNAME": "tester",
+                  "KAGGLE_KEY": "KGL-TEST-ONLY"}
+    job = f"env={json.dumps(kaggle_env)}"
+
+    def weekly_run() -> str:
+        done = subprocess.run([PREFECT, "deployment", "run", "train-flow/weekly",
+                               "--job-variable", job], env=stack.env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        flow_run_id = re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout).group(1)
+        assert wait_final(stack, flow_run_id).state.is_completed()
+        return flow_run_id
+
+    with KaggleStandIn("tester", "KGL-TEST-ONLY") as kaggle:
+        kaggle.archives[f"competitions/{slug}"] = dogs_vs_cats_zip({"cat": 30, "dog": 30})
+        weekly_run()
+        weekly_run()  # the same version on Kaggle: skipped
+        assert len(stack.mlflow.search_model_versions(f"name='{name}'")) == 1
+        assert kaggle.downloads == 1
+        kaggle.archives[f"competitions/{slug}"] = dogs_vs_cats_zip({"cat": 40, "dog": 40})
+        third = weekly_run()
+    assert kaggle.downloads == 2
+    versions = stack.mlflow.search_model_versions(f"name='{name}'")
+    assert len(versions) == 2
+    [new] = [v for v in versions if v.tags[FLOW_RUN_ID] == third]
+    assert new.tags["trainflow.compared_with_version"] == "1"
