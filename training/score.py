@@ -31,6 +31,10 @@ def score(model_dir: Path, paths: list[str], accelerator: Accelerator, rank: Ran
     import mlflow
     import pandas as pd
 
+    if accelerator.device.type == "cuda":  # each rank scores on its own GPU
+        import torch
+
+        torch.cuda.set_device(accelerator.device)
     model = mlflow.pyfunc.load_model(str(model_dir))
     frames = []
     with accelerator.split_between_processes(list(range(len(paths)))) as mine:

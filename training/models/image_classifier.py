@@ -23,6 +23,7 @@ import base64
 import binascii
 import io
 import json
+import os
 
 import mlflow
 import numpy as np
@@ -48,6 +49,17 @@ def decode_image(value: bytes | str, side: int, channels: int) -> np.ndarray:
     return load_resized(io.BytesIO(value), side, channels)
 
 
+def serving_device() -> torch.device:
+    """The GPU this process is on when there is one (a scoring rank sets its own first), else
+    the CPU; TRAINFLOW_SERVE_DEVICE (e.g. "cpu") overrides. The model loads unchanged on a
+    CPU-only host."""
+    if wanted := os.environ.get("TRAINFLOW_SERVE_DEVICE"):
+        return torch.device(wanted)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class ImageClassifier(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         from safetensors.torch import load_model
@@ -60,9 +72,10 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
         self.class_names = d["class_names"]
         self.model = build_model(d["model"], len(self.class_names), self.channels, self.side)
         load_model(self.model, context.artifacts[WEIGHTS_ARTIFACT], strict=True)
-        self.model.eval()
-        self.mean = torch.tensor(pre["mean"]).view(1, -1, 1, 1) * 255
-        self.std = torch.tensor(pre["std"]).view(1, -1, 1, 1) * 255
+        self.device = serving_device()
+        self.model.to(self.device).eval()
+        self.mean = torch.tensor(pre["mean"], device=self.device).view(1, -1, 1, 1) * 255
+        self.std = torch.tensor(pre["std"], device=self.device).view(1, -1, 1, 1) * 255
 
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None
                 ) -> pd.DataFrame:
@@ -81,9 +94,9 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
         with torch.no_grad():
             for start in range(0, len(good), BATCH):
                 rows = good[start:start + BATCH]
-                batch = torch.from_numpy(np.stack([images[i] for i in rows])).float()
-                logits = self.model((batch - self.mean) / self.std)
-                probs[rows] = torch.softmax(logits.float(), 1).numpy()
+                batch = torch.from_numpy(np.stack([images[i] for i in rows])).to(self.device)
+                logits = self.model((batch.float() - self.mean) / self.std)
+                probs[rows] = torch.softmax(logits.float(), 1).cpu().numpy()
         return predictions_frame(probs, self.class_names, errors)
 
 

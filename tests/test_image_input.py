@@ -1,4 +1,4 @@
-"""A photo stored sideways with an EXIF orientation tag is read upright, on every path."""
+"""Images as cameras store them, read upright on every path; the served model on its device."""
 
 from __future__ import annotations
 
@@ -41,3 +41,20 @@ def test_a_sideways_photo_with_its_tag_decodes_like_the_upright_one(tmp_path):
         assert not np.array_equal(load_resized(untagged, side, 3), want)
     with Image.open(io.BytesIO(sideways.read_bytes())) as img:
         assert img.size == (48, 64)  # it really is stored sideways
+
+
+def test_the_served_model_picks_its_device(monkeypatch):
+    """The rank's GPU when there is one (a stub stands in for CUDA here), the CPU otherwise,
+    and what TRAINFLOW_SERVE_DEVICE says above both."""
+    import torch
+
+    from training.models.image_classifier import serving_device
+
+    monkeypatch.delenv("TRAINFLOW_SERVE_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert serving_device() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert serving_device() == torch.device("cuda", 3)
+    monkeypatch.setenv("TRAINFLOW_SERVE_DEVICE", "cpu")
+    assert serving_device() == torch.device("cpu")
