@@ -192,7 +192,9 @@ def load_job(path: Path) -> TrainJob:
 def make_accelerator(job: TrainJob, log_with: str | None = None) -> Accelerator:
     return Accelerator(mixed_precision=job.training.mixed_precision, log_with=log_with,
                        gradient_accumulation_steps=job.training.gradient_accumulation_steps,
-                       dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+                       # non_blocking: with pinned batches, the copy to the GPU overlaps compute.
+                       dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
+                                                                 non_blocking=True),
                        project_config=project_configuration(job.output_dir))
 
 
