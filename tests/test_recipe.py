@@ -45,6 +45,23 @@ def test_a_resumed_run_continues_the_same_learning_rate_curve(digits_split, tmp_
     assert _lrs(resumed) == pytest.approx(curve, rel=1e-9)
 
 
+def test_a_resume_on_another_world_size_continues_the_same_curve(digits_split, tmp_path):
+    """2 processes killed in epoch 3, resumed with 1 (a GPU gone): each epoch's learning rate is
+    the uninterrupted 2-process run's, at the same number of samples seen."""
+    schedule = {"lr_schedule": "cosine", "warmup_epochs": 1, "epochs": 4}
+    curve = _lrs(run_training(_job(digits_split, tmp_path, "two", **schedule), LOG))
+    job = _job(digits_split, tmp_path, "shrunk", **schedule)
+    with pytest.raises(LaunchFailed):
+        run_training(job, LOG, extra_env={"TRAINFLOW_FAULT": "kill:rank=1:epoch=3:step=2"})
+    one = job.model_copy(update={"training": job.training.model_copy(
+        update={"num_processes": 1})})
+    resumed = run_training(one, LOG, resume=True)
+    assert resumed.world_size == 1
+    assert any(e["event"] == "resumed" and e["epoch"] == 2
+               for e in ProgressReader(job.output_dir).poll())
+    assert _lrs(resumed) == pytest.approx(curve, rel=1e-9)
+
+
 def test_early_stopping_stops_every_rank_and_keeps_the_best_epoch(digits_split, tmp_path):
     # No epoch can gain 0.5 in accuracy over the first: training stops after epoch 2.
     job = _job(digits_split, tmp_path, "early", epochs=8, early_stopping_patience=1,

@@ -39,7 +39,7 @@ from training.data.cache import CachedImages, Normalize, decode_split, split_sid
 from training.engine.checkpoint import Checkpointer, TrainerState, project_configuration
 from training.engine.loop import Learner, train_one_epoch, validate
 from training.engine.progress import ProgressWriter, Rank, start_rank
-from training.engine.schedule import EarlyStopping, make_optimizer, make_scheduler
+from training.engine.schedule import EarlyStopping, continue_after, make_optimizer, make_scheduler
 from training.handoff import SplitResult, TrainJob
 from training.models.build import load_trained, model_for, preprocessing_for
 from training.processes import die_with_parent
@@ -70,6 +70,7 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
     checkpoints = Checkpointer(accelerator, rank, job, model)
     state = (checkpoints.resume() if resume else None) or TrainerState()
     if state.epoch:
+        continue_after(scheduler, state.epoch, optimizer_steps(train_loader, spec))
         progress.emit("resumed", checkpoint=str(checkpoints.latest()), epoch=state.epoch)
     stopper = EarlyStopping(spec.early_stopping_patience, spec.early_stopping_min_delta,
                             **state.early_stopping)

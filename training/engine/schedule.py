@@ -60,6 +60,23 @@ def make_scheduler(spec: TrainingSpec, optimizer: torch.optim.Optimizer,
         optimizer, lambda step: lr_factor(spec, step, total, steps_per_epoch))
 
 
+def continue_after(scheduler: torch.optim.lr_scheduler.LRScheduler, epochs_done: int,
+                   steps_per_epoch: int) -> None:
+    """Put a resumed schedule where `epochs_done` whole epochs of *this* run's steps end.
+
+    The saved state counts optimizer steps of the run that saved it; on another world size an
+    epoch has another number of steps, and the old count would put the curve in the wrong place
+    (with more processes, cosine reached 0 early and stayed there). Checkpoints are taken at
+    epoch ends, so counting in epochs continues the uninterrupted run's curve exactly.
+    """
+    import warnings
+
+    scheduler.last_epoch = epochs_done * steps_per_epoch - 1
+    with warnings.catch_warnings():  # "step() before optimizer.step()": deliberate here
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
+
+
 @dataclass
 class EarlyStopping:
     """Counts epochs without a validation accuracy gain; every rank sees the same gathered
