@@ -49,8 +49,12 @@ def test_bad_values_are_refused_before_any_server(tmp_path, argv, message):
     env = _clean_env(tmp_path)
     started = time.monotonic()
     command = "sweep" if "--search_space" in argv else "train"
-    done = subprocess.run([TRAINFLOW, command, *argv], capture_output=True, text=True,
-                          timeout=120, env=env)
+    try:
+        done = subprocess.run([TRAINFLOW, command, *argv], capture_output=True, text=True,
+                              timeout=120, env=env)
+    finally:  # had a bad value slipped through, the server it started must not outlive us
+        subprocess.run([TRAINFLOW, "services", "stop", "--folder", str(tmp_path / "svc")],
+                       capture_output=True, timeout=60, env=env)
     assert done.returncode != 0
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / ".prefect").exists(), "a Prefect server or home was started"
