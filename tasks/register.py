@@ -262,17 +262,38 @@ def register_model(trained: TrainResult, evaluation: Evaluation, registry: Regis
                 metric_tag(metric): repr(value), TEST_METRICS: json.dumps(evaluation.metrics)}
         version = mlflow.register_model(model_uri, name, tags=tags)
     with one_decision_at_a_time(name):
-        champion = champion_version(client, name)
-        registration = judge(trained, evaluation, registry, str(version.version), champion,
-                             logger)
-        registration = record(client, registration, "auto" if registry.approval == "auto"
-                              else "waiting" if registration.awaiting_approval else "not asked")
+        if PROMOTION in version.tags:  # decided by an earlier attempt: never judged again
+            registration = recorded(version, registry, value, small_test_warning(evaluation))
+        else:
+            registration = judge(trained, evaluation, registry, str(version.version),
+                                 champion_version(client, name), logger)
+            registration = record(client, registration, "auto" if registry.approval == "auto"
+                                  else "waiting" if registration.awaiting_approval
+                                  else "not asked")
         client.set_registered_model_alias(name, CHALLENGER, version.version)
     if registration.warning:
         logger.warning("%s", registration.warning)
     logger.info("%s", registration.description())
     return registration.model_copy(update={"aliases": sorted(
         client.get_model_version(name, registration.version).aliases)})
+
+
+def recorded(version, registry: RegistrySpec, value: float, warning: str | None
+             ) -> Registration:
+    """The decision an earlier attempt recorded on `version` (a retried task)."""
+    tags = version.tags
+
+    def number(key: str, kind=float):
+        return kind(float(tags[key])) if key in tags else None
+
+    return Registration(model_name=registry.model_name, version=str(version.version),
+                        aliases=[], promoted=tags[PROMOTION] == "promoted",
+                        reason=tags.get(PROMOTION_REASON, ""), metric=registry.metric,
+                        value=value, champion_version=tags.get(COMPARED_WITH),
+                        champion_value=number(CHAMPION_VALUE),
+                        compared_images=number(COMPARED_IMAGES, int),
+                        p_value=number(MCNEMAR_P_VALUE), warning=warning,
+                        awaiting_approval=tags.get(APPROVAL) == "waiting")
 
 
 class Approval(RunInput):

@@ -171,7 +171,10 @@ def test_the_next_run_trains_on_a_new_version_and_skips_an_unchanged_one(kaggle,
 
     kaggle.archives[f"competitions/{SLUG}"] = dogs_vs_cats_zip({"cat": 30, "dog": 30})
     params = {"dataset": _spec().model_dump(), "split": {"test_fraction": 0.3},
-              "training": {"epochs": 1, "image_size": 16, "batch_size": 16, "num_processes": 1},
+              # Enough learning that v1 clearly beats chance on 18 test images (it must be
+              # promoted for v2 to face it).
+              "training": {"epochs": 3, "lr": 0.003, "image_size": 16, "batch_size": 16,
+                           "num_processes": 1},
               "registry": {"model_name": "kaggle-weekly"}}
     first = train_flow(**params)
     assert first.registration.version == "1"

@@ -84,6 +84,9 @@ def _gate_story(models, client):
     # A retried task finds its version instead of registering another.
     again = _register(models, "better", client, flow_run_id="flow-better")[1]
     assert again.version == "3"
+    # ...and keeps the decision made then: never judged against itself as champion.
+    assert again.promoted and again.champion_version == "1" and "champion" in again.aliases
+    assert client.get_model_version(NAME, "3").tags[PROMOTION] == "promoted"
     assert len(client.search_model_versions(f"name='{NAME}'")) == 3
     return better_eval
 
