@@ -1,5 +1,9 @@
 """The configuration models: defaults, validation, and errors that show valid usage."""
 
+import ast
+import subprocess
+import sys
+
 import pytest
 from pydantic import ValidationError
 
@@ -51,6 +55,21 @@ def test_bad_values_name_the_problem(model, fields, needle):
 def test_any_torchvision_classifier_is_accepted():
     for name in ("resnet18", "vgg16", "mobilenet_v3_small", "efficientnet_b0"):
         assert TrainingSpec(model=name).model == name
+
+
+def test_model_names_are_torchvisions_catalogue_read_without_importing_torch():
+    check = ("import sys; from training.config import TrainingSpec, torchvision_model_names\n"
+             "try:\n    TrainingSpec(model='resnet-18')\nexcept ValueError as e:\n"
+             "    print('refused' if 'unknown model' in str(e) else e)\n"
+             "print(sorted(torchvision_model_names())); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out[0] == "refused" and out[2] == "False"
+    import torchvision
+
+    assert ast.literal_eval(out[1]) == sorted(torchvision.models.list_models(
+        module=torchvision.models))
+    assert {"resnet18", "vgg16", "vit_b_16"} <= set(ast.literal_eval(out[1]))
 
 
 def test_job_file_round_trip(tmp_path):

@@ -8,13 +8,22 @@ at validation instead of being silently ignored.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import re
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 _KAGGLE_COMPETITION = re.compile(r"^kaggle:competitions/([a-z0-9][a-z0-9-]*)$")
 _KAGGLE_DATASET = re.compile(r"^kaggle:datasets/([A-Za-z0-9_-]+)/([A-Za-z0-9][A-Za-z0-9_.-]*)$")
@@ -147,9 +156,33 @@ class SplitSpec(Spec):
 
 @cache
 def torchvision_model_names() -> frozenset[str]:
-    import torchvision
+    """torchvision.models.list_models(module=torchvision.models), read from torchvision's source.
 
-    return frozenset(torchvision.models.list_models(module=torchvision.models))
+    Importing torchvision imports torch (about 2 s), and a bad value must be refused before that;
+    the registry is the `@register_model()` decorators of the classification modules.
+    """
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("torchvision is not installed; run `make install`")
+    names = set()
+    for module in sorted((Path(spec.submodule_search_locations[0]) / "models").glob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef):
+                names.update(_registered_name(node))
+    return frozenset(names)
+
+
+def _registered_name(function: ast.FunctionDef) -> list[str]:
+    for decorator in function.decorator_list:
+        if (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Name)
+                and decorator.func.id == "register_model"):
+            named = [k.value for k in decorator.keywords if k.arg == "name"]
+            if named and isinstance(named[0], ast.Constant):
+                return [named[0].value]
+            if decorator.args and isinstance(decorator.args[0], ast.Constant):
+                return [decorator.args[0].value]
+            return [function.name]
+    return []
 
 
 class TrainingSpec(Spec):
@@ -446,3 +479,37 @@ def merge_blocks(base: dict[str, Any], run: dict[str, Any], blocks: tuple[str, .
         elif above is not None:
             merged[name] = above
     return merged
+
+
+class InvalidParameters(ValueError):
+    """Parameters a run cannot start with: one line per problem, each naming the field, the
+    value and what to use instead."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid parameters: " + "; ".join(problems))
+
+
+def problems_of(error: ValidationError, block: str | None = None) -> list[str]:
+    """Pydantic's errors as `block.field: message (got value)` lines, without its URL."""
+    lines = []
+    for err in error.errors():
+        where = ".".join(str(p) for p in ((block,) if block else ()) + tuple(err["loc"]))
+        message = err["msg"].removeprefix("Value error, ")
+        given = err.get("input")
+        shown = "" if message.count(repr(given)) or isinstance(given, dict) else f" (got {given!r})"
+        lines.append(f"{where or 'parameters'}: {message}{shown}")
+    return lines
+
+
+def validate_blocks(params: dict[str, Any]) -> dict[str, Spec]:
+    """The four parameter blocks validated, every problem of every block reported at once."""
+    specs, problems = {}, []
+    for name, model in BLOCKS.items():
+        try:
+            specs[name] = model.model_validate(as_fields(params.get(name)) or {})
+        except ValidationError as e:
+            problems += problems_of(e, name)
+    if problems:
+        raise InvalidParameters(problems)
+    return specs
