@@ -26,11 +26,14 @@ from training.config import (
     BLOCKS,
     DatasetSpec,
     Distribution,
+    InvalidParameters,
     RegistrySpec,
     SplitSpec,
     SweepSpec,
     TrainingSpec,
     merge_blocks,
+    problems_of,
+    validate_blocks,
 )
 
 
@@ -95,8 +98,7 @@ def parse(model: type[BaseModel], argv: list[str], prog: str) -> tuple[BaseModel
             mode="json", include=set(typed[name])) for name in BLOCKS
             if isinstance(typed.get(name), dict)}
     except ValidationError as e:
-        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
-        sys.exit(f"{prog}: invalid parameters\n" + "\n".join(lines))
+        sys.exit(f"{prog}: invalid parameters\n" + "\n".join(f"  {p}" for p in problems_of(e)))
     return args, given
 
 
@@ -115,12 +117,7 @@ def train_parameters(args: TrainArgs, given: dict) -> dict:
             sys.exit(f"trainflow train: {args.config} has {sorted(unknown)}; a config holds "
                      f"only the blocks {', '.join(BLOCKS)}, as a deployment's parameters")
         base = merge_blocks(base, loaded, tuple(BLOCKS))
-    merged = merge_blocks(base, given, tuple(BLOCKS))
-    try:
-        return {name: model.model_validate(merged.get(name) or {}).model_dump(
-            mode="json", exclude_unset=True) for name, model in BLOCKS.items()}
-    except ValidationError as e:
-        sys.exit(f"trainflow train: invalid parameters\n{e}")
+    return merge_blocks(base, given, tuple(BLOCKS))
 
 
 def summary(result, seconds: float, stages: dict[str, float]) -> str:
@@ -165,8 +162,14 @@ def stage_seconds(flow_run_id) -> dict[str, float]:
 
 
 def run_train(params: dict, as_json: bool, force: bool = False) -> None:
+    """train-flow on PREFECT_API_URL or the reused local server; bad values end it first."""
     from commands.local_server import local_prefect_api
 
+    try:
+        params = {**params, **{name: spec.model_dump(mode="json", exclude_unset=True)
+                               for name, spec in validate_blocks(params).items()}}
+    except InvalidParameters as e:
+        sys.exit("train-flow: invalid parameters\n" + "\n".join(f"  {p}" for p in e.problems))
     started = time.perf_counter()
     with local_prefect_api():
         from flows.train_flow import train_flow

@@ -83,7 +83,15 @@ if __name__ == "__main__":
     from commands.train import run_train
 
     args = [a for a in sys.argv[1:] if a != "--json"]
-    params = json.loads(args[0]) if args else {}
+    if {"-h", "--help"} & set(args):
+        sys.exit(print("usage: python -m flows.train_flow '{\"training\": {\"epochs\": 3}}' "
+                       "[--json]\nThe flow's parameters as one JSON object; `trainflow train "
+                       "--help` lists every field."))
+    try:
+        params = json.loads(args[0]) if args else {}
+    except json.JSONDecodeError as e:
+        sys.exit(f"usage: python -m flows.train_flow '{{\"training\": {{\"epochs\": 3}}}}' "
+                 f"[--json] (or `trainflow train --help`); the argument is not JSON: {e}")
     params.setdefault("dataset", {"source": "builtin:digits"})
     force = params.pop("force", False)
     run_train(params, "--json" in sys.argv[1:], force)

@@ -20,7 +20,7 @@ from pathlib import Path
 from queue import Empty, Queue
 
 from training.config import TrainingSpec
-from training.engine.progress import ProgressReader
+from training.engine.progress import TASK_REPORTS, ProgressReader
 from training.processes import free_port, kill_tree, tied_to_parent
 
 STARTUP_TIMEOUT_S = 180.0
@@ -30,7 +30,12 @@ PORT_TAKEN = ("EADDRINUSE", "address already in use")
 
 
 class LaunchFailed(RuntimeError):
-    """A rank failed; the message carries that rank's own error and traceback."""
+    """A rank failed; the message names the rank and its error in one line, and `traceback` holds
+    that rank's own traceback (logged once by `launch`)."""
+
+    def __init__(self, message: str, traceback: str | None = None):
+        super().__init__(message)
+        self.traceback = traceback
 
 
 class LaunchHung(LaunchFailed):
@@ -103,7 +108,7 @@ def threads_per_process(processes: int, env: dict[str, str] | None = None) -> in
 
 def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # The task logs each epoch from rank 0's events: the rank need not print it too.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRAINFLOW_TASK_REPORTS_EPOCHS": "1",
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", TASK_REPORTS: "1",
            **(extra or {})}
     if not cuda_available():
         # Without it, `--multi_gpu` on a CPU-only host starts N processes that each train
@@ -174,10 +179,17 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
                             stderr=subprocess.STDOUT, text=True, errors="replace",
                             start_new_session=True, bufsize=1)
     tail: deque[str] = deque(maxlen=200)
+    # A dying rank and torchrun print tracebacks; a rank that reported its error carries it in
+    # its `error` event, which the failure shows once. So from the first traceback on, the
+    # output waits for the end: dropped then if a rank reported the failure, else logged.
+    held: list[str] = []
 
     def on_line(line: str) -> None:
         tail.append(line)
-        watch.on_line(line)
+        if held or line.split("]: ", 1)[-1].startswith("Traceback (most recent call last)"):
+            held.append(line)
+        else:
+            watch.on_line(line)
 
     pump = threading.Thread(target=_pump, args=(proc, lines), daemon=True)
     pump.start()
@@ -204,10 +216,13 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
         if proc.returncode != 0:
             if any(mark in line.lower() for line in tail for mark in map(str.lower, PORT_TAKEN)):
                 raise PortTaken("the rendezvous port was taken by another process")
-            raise LaunchFailed(failure_message(proc.returncode, watch.events))
+            raise LaunchFailed(*failure(proc.returncode, watch.events))
         return watch.events
     finally:
         kill_tree(proc)
+        reported = proc.returncode not in (None, 0) and rank_errors(watch.events)
+        for line in held if not reported else ():
+            watch.on_line(line)
 
 
 def launch(spec: TrainingSpec, module: str, args: list[str], output_dir: Path,
@@ -230,6 +245,10 @@ def launch(spec: TrainingSpec, module: str, args: list[str], output_dir: Path,
             if spec.main_process_port or spec.num_machines > 1 or attempt == PORT_ATTEMPTS:
                 raise
             logger.warning("rendezvous port taken by another process; launching again")
+        except LaunchFailed as failed:
+            if failed.traceback:  # the one place it is shown
+                logger.error("%s\n%s", failed, failed.traceback.rstrip())
+            raise
     raise AssertionError("unreachable")
 
 
@@ -260,12 +279,18 @@ def describe(last_seen: dict[int, dict]) -> str:
     return "last progress: " + "; ".join(parts)
 
 
-def failure_message(returncode: int, events: list[dict]) -> str:
-    errors = sorted((e for e in events if e["event"] == "error"), key=lambda e: e["time"])
+def rank_errors(events: list[dict]) -> list[dict]:
+    return sorted((e for e in events if e["event"] == "error"), key=lambda e: e["time"])
+
+
+def failure(returncode: int, events: list[dict]) -> tuple[str, str | None]:
+    """One line naming the rank that failed first and its error, and that rank's traceback."""
+    errors = rank_errors(events)
     if not errors:
         return (f"accelerate launch exited with code {returncode} and no rank reported an error "
-                "(killed from outside, or it failed before training started; see the log above)")
+                "(killed from outside, or it failed before training started; see the log above)",
+                None)
     first = errors[0]
     others = sorted({e["rank"] for e in errors} - {first["rank"]})
     also = f" (ranks {others} failed after it)" if others else ""
-    return f"rank {first['rank']} failed{also}: {first['error']}\n{first['traceback']}"
+    return f"rank {first['rank']} failed{also}: {first['error']}", first["traceback"]

@@ -28,7 +28,7 @@ from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
 from tasks import run_logger
-from tasks.launcher import LaunchFailed, Watchdog, describe, failure_message, launch
+from tasks.launcher import LaunchFailed, Watchdog, describe, failure, launch, rank_errors
 from tasks.network import (
     address_towards,
     check_main_address,
@@ -150,10 +150,9 @@ def watch(client, runs: dict[int, UUID], reader: ProgressReader, spec: TrainingS
         states = {rank: client.read_flow_run(run_id).state for rank, run_id in runs.items()}
         for rank, state in sorted(states.items()):
             if state is not None and state.is_final() and not state.is_completed():
-                ranks = failure_message(1, events) if any(
-                    e["event"] == "error" for e in events) else ""
+                ranks, traceback = failure(1, events) if rank_errors(events) else ("", None)
                 raise LaunchFailed(f"machine {rank} ended {state.name}: {state.message}"
-                                   + (f"\n{ranks}" if ranks else ""))
+                                   + (f"; {ranks}" if ranks else ""), traceback)
         if all(state is not None and state.is_completed() for state in states.values()):
             read_events()
             return events

@@ -22,7 +22,7 @@ from prefect.runtime import deployment
 from pydantic import BaseModel
 
 from tasks import run_logger
-from training.config import BLOCKS, as_fields, merge_blocks
+from training.config import BLOCKS, InvalidParameters, as_fields, merge_blocks, validate_blocks
 
 
 def deployment_parameters() -> dict[str, Any]:
@@ -36,13 +36,18 @@ def deployment_parameters() -> dict[str, Any]:
         return client.read_deployment(deployment_id).parameters or {}
 
 
-@task(retries=2, retry_delay_seconds=2)
+def unless_invalid(task, task_run, state) -> bool:
+    """Retry reading the deployment, never a parameter that will stay wrong."""
+    return not isinstance(state.result(raise_on_failure=False), InvalidParameters)
+
+
+@task(retries=2, retry_delay_seconds=2, retry_condition_fn=unless_invalid)
 def resolve_parameters(run: dict[str, Any]) -> dict[str, BaseModel]:
-    """The four parameter blocks, each over the deployment's values and validated once."""
+    """The four parameter blocks, each over the deployment's values and validated once; bad
+    values are one InvalidParameters naming every problem."""
     merged = merge_blocks(deployment_parameters(), run, tuple(BLOCKS))
     named = {name: sorted(fields) for name in BLOCKS
              if isinstance(fields := as_fields(run.get(name)), dict) and fields}
     run_logger().info("fields this run sets: %s; every other field keeps the deployment's "
                       "value or the default", json.dumps(named))
-    return {name: model.model_validate(as_fields(merged.get(name)) or {})
-            for name, model in BLOCKS.items()}
+    return validate_blocks(merged)

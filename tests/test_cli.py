@@ -46,18 +46,36 @@ def test_help_lists_every_field_and_exits_zero(tmp_path):
     (["--search_space", '{"epochs": {"choice": [1, 2]}}'], "not searchable training fields"),
 ])
 def test_bad_values_are_refused_before_any_server(tmp_path, argv, message):
+    command = "sweep" if "--search_space" in argv else "train"
+    _refused_before_any_server(tmp_path, [TRAINFLOW, command, *argv], message)
+
+
+@pytest.mark.parametrize("argument, message", [
+    ('{"training": {"model": "resnet-18"}}',
+     'training.model: unknown model \'resnet-18\'; use "basicnet", "resnet18"'),
+    ('{"split": {"val_fraction": 0.7, "test_fraction": 0.5}}', "leaves no training data"),
+    ("{training: 3}", "the argument is not JSON"),
+])
+def test_the_flow_module_refuses_bad_values_in_one_line_before_any_server(tmp_path, argument,
+                                                                          message):
+    _refused_before_any_server(tmp_path, [sys.executable, "-m", "flows.train_flow", argument],
+                               message)
+
+
+def _refused_before_any_server(tmp_path: Path, command: list[str], message: str) -> None:
     env = _clean_env(tmp_path)
     started = time.monotonic()
-    command = "sweep" if "--search_space" in argv else "train"
     try:
-        done = subprocess.run([TRAINFLOW, command, *argv], capture_output=True, text=True,
-                              timeout=120, env=env)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     finally:  # had a bad value slipped through, the server it started must not outlive us
         subprocess.run([TRAINFLOW, "services", "stop", "--folder", str(tmp_path / "svc")],
                        capture_output=True, timeout=60, env=env)
     assert done.returncode != 0
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert not (tmp_path / ".prefect").exists(), "a Prefect server or home was started"
+    # Importing the flow module imports Prefect, which makes its home; nothing more may start.
+    prefect_home = tmp_path / ".prefect"
+    assert not {"trainflow-server.json", "prefect.db"} & {p.name for p in prefect_home.glob("*")}
+    assert command[0] != TRAINFLOW or not prefect_home.exists(), "Prefect was imported"
     assert time.monotonic() - started < 30
 
 

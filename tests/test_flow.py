@@ -16,6 +16,7 @@ from tasks.lineage import (
     MANIFEST_SHA256,
     SPEC_HASH,
 )
+from training.config import InvalidParameters
 from training.storage import tracking_uri
 
 pytestmark = pytest.mark.slow
@@ -98,7 +99,16 @@ def test_unreachable_mlflow_fails_in_seconds(prefect_engine, monkeypatch):
 
 
 def test_bad_parameters_fail_before_any_work(prefect_engine, tmp_path):
-    with pytest.raises(Exception, match="unknown model 'resnet-18'"):
-        train_flow(dataset={"source": "builtin:digits"}, training={"model": "resnet-18"})
+    started = time.monotonic()
+    with pytest.raises(InvalidParameters) as error:
+        train_flow(dataset={"source": "builtin:digits"},
+                   training={"model": "resnet-18", "epochs": 0})
+    # One line per problem, naming the field, the value and a valid example; not retried.
+    assert error.value.problems == [
+        'training.model: unknown model \'resnet-18\'; use "basicnet", "resnet18", "vgg16" or '
+        "another name from torchvision.models.list_models()",
+        "training.epochs: Input should be greater than or equal to 1 (got 0)"]
+    assert "\n" not in str(error.value) and "errors.pydantic.dev" not in str(error.value)
+    assert time.monotonic() - started < 10
     with pytest.raises(Exception, match="does not exist"):
         train_flow(dataset={"source": str(tmp_path / "nowhere")})

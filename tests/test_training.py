@@ -107,16 +107,24 @@ def test_killed_rank_ends_the_launch_and_retry_resumes(digits_split, tmp_path):
     assert epochs_run == [1, 2, 3]  # epoch 1 was not repeated
 
 
-def test_a_failing_rank_fails_fast_with_its_own_error(digits_split, tmp_path):
+def test_a_failing_rank_fails_fast_with_its_own_error_shown_once(digits_split, tmp_path,
+                                                                  caplog):
     job = _job(digits_split, tmp_path)
     started = time.monotonic()
-    with pytest.raises(LaunchFailed) as error:
+    with caplog.at_level(logging.INFO, logger=LOG.name), pytest.raises(LaunchFailed) as error:
         run_training(job, LOG, extra_env={"TRAINFLOW_FAULT": "raise:rank=1:epoch=1:step=2"})
     assert time.monotonic() - started < 60
     message = str(error.value)
-    assert message.startswith("rank 1 failed")
+    assert message.startswith("rank 1 failed") and "\n" not in message
     assert "RuntimeError: injected fault on rank 1 at epoch 1 step 2" in message
-    assert "Traceback" in message
+    assert "in inject_fault" in error.value.traceback
+    # The rank's traceback (not rank 0's broken pipe, not torchrun's) is in the log once, in the
+    # line that names the rank.
+    shown = [r for r in caplog.records if "Traceback (most recent call last)" in r.getMessage()]
+    assert len(shown) == 1, [r.getMessage()[:200] for r in shown]
+    assert shown[0].levelno == logging.ERROR and shown[0].getMessage().startswith("rank 1 failed")
+    assert "in inject_fault" in shown[0].getMessage()
+    assert not any("ChildFailedError" in r.getMessage() for r in caplog.records)
     assert [p for p in _rank_pids(job.output_dir) if alive(p)] == []
 
 

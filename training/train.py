@@ -38,7 +38,7 @@ from training.config import TrainingSpec
 from training.data.cache import CachedImages, Normalize, decode_split, split_sides
 from training.engine.checkpoint import Checkpointer, TrainerState, project_configuration
 from training.engine.loop import Learner, train_one_epoch, validate
-from training.engine.progress import ProgressWriter, Rank, start_rank
+from training.engine.progress import ProgressWriter, Rank, start_rank, task_reports
 from training.engine.schedule import EarlyStopping, continue_after, make_optimizer, make_scheduler
 from training.handoff import SplitResult, TrainJob
 from training.models.build import load_trained, model_for, preprocessing_for
@@ -95,17 +95,13 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
         accelerator.log(metrics, step=epoch)
         progress.emit("epoch", epoch=epoch, epochs=spec.epochs, metrics=metrics,
                       is_best=is_best, checkpoint=str(checkpoint), world_size=rank.world)
-        if rank.main and not os.environ.get(TASK_REPORTS_EPOCHS):  # else the task says it once
+        if rank.main and not task_reports():  # else the task says it once
             print(f"[rank {rank.index}] epoch {epoch}/{spec.epochs} " + " ".join(
                 f"{k}={v:.4g}" for k, v in metrics.items()), flush=True)
         if stop:  # every rank saw the same gathered metrics: all leave here together
             progress.emit("early_stop", epoch=epoch, best_epoch=state.best["epoch"])
             break
     return finish(job, accelerator, rank, progress, state, checkpoints.best_weights)
-
-
-TASK_REPORTS_EPOCHS = "TRAINFLOW_TASK_REPORTS_EPOCHS"
-"""Set by the launching task, which logs one line per epoch from the ranks' events."""
 
 
 def make_model(job: TrainJob) -> torch.nn.Module:

@@ -17,6 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+TASK_REPORTS = "TRAINFLOW_TASK_REPORTS"
+"""Set by the launching task, which shows each epoch and a failed rank's traceback once, from the
+ranks' events: the ranks then print neither themselves."""
+
+
+def task_reports() -> bool:
+    import os
+
+    return bool(os.environ.get(TASK_REPORTS))
+
 
 def progress_dir(output_dir: Path) -> Path:
     return Path(output_dir) / "progress"
@@ -55,11 +65,14 @@ class ProgressWriter:
 
     @contextlib.contextmanager
     def reporting_errors(self) -> Iterator[None]:
-        """An exception becomes this rank's `error` event (with its traceback), then goes on."""
+        """An exception becomes this rank's `error` event (with its traceback), then goes on; under
+        a task that reports it, the rank exits with code 1 without printing it a second time."""
         try:
             yield
         except Exception as e:
             self.emit("error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            if task_reports():
+                raise SystemExit(1) from None
             raise
 
 
