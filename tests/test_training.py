@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 
 import pytest
 from safetensors.torch import load_file
 
-from tasks.launcher import LaunchFailed, LaunchHung
-from tasks.train import run_training
+from tasks.launcher import LaunchFailed, LaunchHung, launch_command, launch_env
+from tasks.train import run_training, write_job
 from training.engine.checkpoint import STATE_FILE
 from training.engine.progress import ProgressReader
 from training.handoff import TrainJob
@@ -67,6 +69,49 @@ def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
     assert [e["threads"] for e in ProgressReader(tmp_path / "single").poll()
             if e["event"] == "start"] == [_threads(1)]
     assert [h["val_images"] for h in single.history] == [val_size, val_size]
+
+
+def test_a_decode_longer_than_the_collective_timeout_does_not_fail_the_run(digits_split,
+                                                                          tmp_path):
+    """The ranks decode before their first collective: one decodes under the store's lock while
+    the other waits on the lock, so a decode longer than a collective may wait is harmless."""
+    job = _job(digits_split, tmp_path, epochs=1, image_size=13)  # a side no other test decodes
+    result = run_training(job, LOG, extra_env={"TRAINFLOW_FAULT": "slow_decode:seconds=10",
+                                               "TRAINFLOW_COLLECTIVE_TIMEOUT_S": "5"})
+    assert result.world_size == 2 and len(result.history) == 1
+    events = ProgressReader(job.output_dir).poll()
+    decoders: dict[str, set[int]] = {}
+    for e in events:
+        if str(e.get("phase", "")).startswith("decode"):
+            decoders.setdefault(e["phase"], set()).add(e["rank"])
+    assert set(decoders) == {"decode train", "decode val"}
+    assert all(len(ranks) == 1 for ranks in decoders.values()), decoders  # each split once
+
+
+def test_each_rank_draws_its_own_augmentation_while_the_shards_stay_disjoint(digits_split,
+                                                                            tmp_path):
+    """After the training's own setup, under a real 2-process launch: the samplers agree (each
+    training image in exactly one rank's shard) and the random draws differ by rank, the same
+    on every run."""
+    job = _job(digits_split, tmp_path, augment="crop_flip")
+    spec, job_file = job.training, write_job(job)
+    seen = []
+    for attempt in ("first", "again"):
+        out = tmp_path / attempt
+        out.mkdir()
+        env = launch_env()
+        subprocess.run(launch_command(spec, "tests.probes.rank_seeds", [str(job_file), str(out)],
+                                      env=env), env=env, check=True, timeout=300,
+                       capture_output=True)
+        seen.append([json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)])
+    first, again = seen
+    shards = [set(rank["indices"]) for rank in first]
+    train_size = sum(digits_split[1].counts["train"].values())
+    padding = sum(len(rank["indices"]) for rank in first) - train_size  # to even batches
+    assert len(shards[0] & shards[1]) <= padding < 2 * spec.batch_size
+    assert len(shards[0] | shards[1]) == train_size
+    assert first[0]["draws"] != first[1]["draws"]
+    assert first == again
 
 
 def test_killed_rank_ends_the_launch_and_retry_resumes(digits_split, tmp_path):

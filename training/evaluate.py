@@ -49,8 +49,9 @@ def predict_split(job: TrainJob, weights: Path, accelerator: Accelerator, progre
     """(logits [N, K], labels [N], paths) in manifest order over one split."""
     model = load_trained(job, weights)
     pre = preprocessing_for(job)
-    with accelerator.main_process_first():  # the main process decodes; the others map it
-        images = decode_split(job.split, split, split_sides(job.training)[split], pre.channels)
+    # One rank decodes what is missing under the store's lock; the others wait on the lock,
+    # not in a collective (training.train.make_loaders says why).
+    images = decode_split(job.split, split, split_sides(job.training)[split], pre.channels)
     labels, paths = images.labels, images.paths
     dataset = IndexedImages(CachedImages(images, pre.image_size, augment=False))
     # The model is not prepared: no DDP wrapper is needed for inference, and none of the

@@ -27,16 +27,18 @@ import os
 import sys
 import time
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 
 from training.config import TrainingSpec
 from training.data.cache import CachedImages, Normalize, decode_split, split_sides
 from training.engine.checkpoint import Checkpointer, TrainerState, project_configuration
+from training.engine.faults import delay_decode
 from training.engine.loop import Learner, train_one_epoch, validate
 from training.engine.progress import ProgressWriter, Rank, start_rank, task_reports
 from training.engine.schedule import EarlyStopping, continue_after, make_optimizer, make_scheduler
@@ -54,14 +56,11 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
     train_loader, val_loader = make_loaders(job, accelerator, progress)
     model = make_model(job)
     optimizer = make_optimizer(spec, model)
-    model, optimizer, train_loader, val_loader = accelerator.prepare(
-        model, optimizer, train_loader, val_loader)
+    model, optimizer, train_loader, val_loader = prepare_then_seed_per_rank(
+        accelerator, rank, spec, model, optimizer, train_loader, val_loader)
     # Compiled after prepare(), so that DDP wraps the original module (gradient all-reduce
     # overlaps backward) and the checkpoints, which hold the prepared module, stay plain.
     stepping = torch.compile(model) if spec.compile else model
-    # The initial weights and the samplers (seeded inside prepare) share one seed on every
-    # rank; from here each rank draws its own crops and flips, not a copy of rank 0's.
-    set_seed(spec.seed + rank.index)
     scheduler = make_scheduler(spec, optimizer, optimizer_steps(train_loader, spec))
     accelerator.register_for_checkpointing(scheduler)  # before any load_state
     pre = preprocessing_for(job)
@@ -104,6 +103,19 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
     return finish(job, accelerator, rank, progress, state, checkpoints.best_weights)
 
 
+def prepare_then_seed_per_rank(accelerator: Accelerator, rank: Rank, spec: TrainingSpec,
+                               *objects):
+    """`accelerator.prepare`, then a seed per rank.
+
+    The initial weights and the samplers (seeded inside prepare) share one seed on every rank,
+    so the ranks' shards stay disjoint; from here each rank draws its own crops and flips
+    (and dropout), not a copy of rank 0's.
+    """
+    prepared = accelerator.prepare(*objects)
+    set_seed(spec.seed + rank.index)
+    return prepared
+
+
 def make_model(job: TrainJob) -> torch.nn.Module:
     model = model_for(job)
     if job.training.channels_last:
@@ -134,14 +146,16 @@ def make_loaders(job: TrainJob, accelerator: Accelerator, progress: ProgressWrit
     sides = split_sides(spec)
 
     def decoding(split):
-        return lambda done, total: progress.emit("heartbeat", phase=f"decode {split}",
-                                                 step=done, total=total)
+        def on_progress(done: int, total: int) -> None:
+            progress.emit("heartbeat", phase=f"decode {split}", step=done, total=total)
+            delay_decode()
+        return on_progress
 
-    # Only the main process decodes (when the split stage has not already); the others wait
-    # and then map the same store.
-    with accelerator.main_process_first():
-        train = decode_split(job.split, "train", sides["train"], pre.channels, decoding("train"))
-        val = decode_split(job.split, "val", sides["val"], pre.channels, decoding("val"))
+    # Whatever the split stage left undecoded is decoded once, by whichever rank takes the
+    # store's lock first; the others wait on that lock, not in a collective, which a long
+    # decode would time out (NCCL gives up after 10 minutes).
+    train = decode_split(job.split, "train", sides["train"], pre.channels, decoding("train"))
+    val = decode_split(job.split, "val", sides["val"], pre.channels, decoding("val"))
     # Batches stay uint8 until the device (4x fewer bytes to copy); Normalize runs there.
     loading = {"batch_size": spec.batch_size, "num_workers": spec.loader_workers,
                "persistent_workers": spec.loader_workers > 0,
@@ -186,8 +200,16 @@ def load_job(path: Path) -> TrainJob:
         raise SystemExit(f"job file {path} is not a valid training job: {e}") from None
 
 
+COLLECTIVE_TIMEOUT = "TRAINFLOW_COLLECTIVE_TIMEOUT_S"
+"""How long a rank waits in one collective before failing (torch's default otherwise: 10 min
+with NCCL, 30 with gloo). The hang watchdog (hang_timeout_s) stops a stuck run before either."""
+
+
 def make_accelerator(job: TrainJob, log_with: str | None = None) -> Accelerator:
+    timeout = os.environ.get(COLLECTIVE_TIMEOUT)
     return Accelerator(mixed_precision=job.training.mixed_precision, log_with=log_with,
+                       kwargs_handlers=[InitProcessGroupKwargs(
+                           timeout=timedelta(seconds=float(timeout)))] if timeout else None,
                        gradient_accumulation_steps=job.training.gradient_accumulation_steps,
                        # non_blocking: with pinned batches, the copy to the GPU overlaps compute.
                        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,

@@ -5,6 +5,7 @@ TRAINFLOW_FAULT="<kind>:rank=<r>:epoch=<e>:step=<s>" with kind one of
   hang   - the rank stops making progress (sleeps for an hour)
   slow   - every step of that rank sleeps <s> seconds (rank/epoch ignored unless given)
   kill   - the rank SIGKILLs itself at that step
+  slow_decode - the rank that decodes the store sleeps <seconds> once, holding its lock
 With TRAINFLOW_FAULT_ONCE=<file>, a fault fires only while <file> does not exist (it is created
 when the fault fires), so a retried attempt runs clean.
 Unset in production: `with_faults` then returns the loader itself, untouched.
@@ -52,6 +53,13 @@ def inject_fault(rank: int, epoch: int, step: int) -> None:
         raise RuntimeError(f"injected fault on rank {rank} at epoch {epoch} step {step}")
     if fault["kind"] == "hang":
         time.sleep(3600)
+
+
+def delay_decode() -> None:
+    fault = _fault()
+    if fault is not None and fault["kind"] == "slow_decode" and not fault.get("slept"):
+        fault["slept"] = True
+        time.sleep(fault.get("seconds", 1.0))
 
 
 def with_faults(loader: Iterable, rank: int, epoch: int) -> Iterable:
