@@ -23,6 +23,9 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install -r requirements.lock
 	$(PY) -m pip install --no-deps -e '.[dev]'
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "GPU machine: adding the gpu extra (pynvml, for MLflow's GPU metrics)"; \
+		$(PY) -m pip install --quiet -c requirements.lock -e '.[dev,gpu]'; fi
 	touch $@
 
 # After changing dependencies in pyproject.toml, or to take newer releases on purpose: resolve

@@ -35,6 +35,7 @@ from tasks.network import (
     rendezvous_env,
     wait_reachable,
 )
+from tasks.preflight import check_training
 from training.config import TrainingSpec
 from training.engine.progress import ProgressReader
 from training.handoff import TrainJob
@@ -197,6 +198,9 @@ def launch_node(job_file: Path, machine_rank: int, resume: bool,
     logger = run_logger()
     job = read_job(job_file, machine_rank)
     spec = job.training
+    # The GPUs that matter are this machine's: checked here, before the rendezvous, so a node
+    # that cannot train fails alone and by name instead of leaving the others waiting.
+    check_training(spec.on_this_machine())
     if machine_rank == 0:
         # The address on the route to the Prefect server: a network every worker reaches.
         address = spec.main_process_ip or address_towards(api_host())

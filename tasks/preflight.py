@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import task
@@ -62,20 +63,43 @@ def cpu_has_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def check_training(training: TrainingSpec) -> None:
-    if importlib.util.find_spec("accelerate") is None:
-        raise PreflightError("accelerate is not installed in this environment: run make install")
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    bf16: bool
+
+
+def local_gpus() -> list[Gpu]:
+    """The GPUs the ranks on this machine would use, as CUDA sees them."""
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    wanted = training.resolved_num_processes()
-    if gpus and wanted > gpus and not training.accelerate_config_file:
-        raise PreflightError(f"training.num_processes={wanted} but this machine has {gpus} GPUs; "
-                             f'use at most {gpus} or "auto"')
+    if not torch.cuda.is_available():
+        return []
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    # Native bf16 is compute capability 8.0 (Ampere) or newer; older GPUs emulate it slowly.
+    return [Gpu(name, torch.cuda.get_device_capability(i) >= (8, 0))
+            for i, name in enumerate(names)]
+
+
+def check_training(training: TrainingSpec, gpus: list[Gpu] | None = None) -> None:
+    """Process counts and precision against this machine (`gpus`: what CUDA reports)."""
+    if importlib.util.find_spec("accelerate") is None:
+        raise PreflightError("accelerate is not installed in this environment: run make install")
+    gpus = local_gpus() if gpus is None else gpus
+    wanted = training.resolved_num_processes(len(gpus))
+    if gpus and wanted > len(gpus) and not training.accelerate_config_file:
+        raise PreflightError(f"training.num_processes={wanted} but this machine has {len(gpus)} "
+                             f'GPUs; use at most {len(gpus)} or "auto"')
     if not gpus and wanted > (os.cpu_count() or 1):
         raise PreflightError(f"training.num_processes={wanted} but this machine has "
                              f"{os.cpu_count()} CPU cores and no GPU; use at most "
                              f'{os.cpu_count()} or "auto"')
+    old_gpus = sorted({gpu.name for gpu in gpus[:wanted] if not gpu.bf16})
+    if training.mixed_precision == "bf16" and old_gpus:
+        raise PreflightError(
+            f'mixed_precision="bf16" needs a GPU with native bf16 (Ampere or newer), and '
+            f"{', '.join(old_gpus)} has none: it would be emulated, many times slower; use "
+            '"fp16" on this GPU, or bf16 on a newer one')
     if not gpus and training.mixed_precision == "fp16":
         raise PreflightError('mixed_precision="fp16" needs a CUDA GPU; on this machine use '
                              '"bf16" or "no"' if cpu_has_bf16() else

@@ -90,6 +90,17 @@ def test_auto_processes_on_a_cpu_machine(monkeypatch):
     assert TrainingSpec(num_processes="auto").resolved_num_processes() == 1
 
 
+def test_auto_loader_workers_are_none_on_cpu_and_the_spare_cores_on_gpus():
+    auto = TrainingSpec()
+    assert auto.loader_workers == "auto"
+    assert auto.workers_per_rank(on_gpu=False, cores=64, ranks_here=2) == 0
+    assert auto.workers_per_rank(on_gpu=True, cores=16, ranks_here=1) == 4
+    assert auto.workers_per_rank(on_gpu=True, cores=16, ranks_here=8) == 1
+    assert auto.workers_per_rank(on_gpu=True, cores=8, ranks_here=8) == 0
+    assert TrainingSpec(loader_workers=2).workers_per_rank(on_gpu=False, cores=2,
+                                                           ranks_here=2) == 2
+
+
 def test_a_job_file_that_is_not_json_is_refused_before_training(tmp_path):
     import subprocess
     import sys

@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 from safetensors.torch import load_file
 
 from tasks.lineage import FLOW_RUN_ID
-from tasks.preflight import PreflightError, check_training
+from tasks.preflight import Gpu, PreflightError, check_training
 from tasks.train import run_training
 from tests.servers import mlflow_server
 from training.config import TrainingSpec
@@ -109,6 +109,21 @@ def test_fp16_on_a_cpu_machine_is_refused_before_work():
         check_training(TrainingSpec(mixed_precision="fp16"))
     with pytest.raises(PreflightError, match="CPU cores and no GPU"):
         check_training(TrainingSpec(num_processes=64))
+
+
+def test_gpu_precision_and_counts_are_checked_against_the_gpus_named():
+    """What CUDA would report on a GPU machine, given as the check's input (no GPU here)."""
+    t4, h200 = Gpu("Tesla T4", bf16=False), Gpu("NVIDIA H200", bf16=True)
+    with pytest.raises(PreflightError, match=r"Tesla T4 has none: .* use \"fp16\" on this GPU"):
+        check_training(TrainingSpec(mixed_precision="bf16"), gpus=[t4, t4])
+    check_training(TrainingSpec(mixed_precision="fp16"), gpus=[t4, t4])
+    check_training(TrainingSpec(mixed_precision="bf16"), gpus=[h200, h200])
+    # "auto" takes every GPU; the T4 is only checked when a rank would run on it.
+    check_training(TrainingSpec(mixed_precision="bf16", num_processes=1), gpus=[h200, t4])
+    with pytest.raises(PreflightError, match="Tesla T4 has none"):
+        check_training(TrainingSpec(mixed_precision="bf16"), gpus=[h200, t4])
+    with pytest.raises(PreflightError, match="num_processes=3 but this machine has 2 GPUs"):
+        check_training(TrainingSpec(num_processes=3), gpus=[h200, h200])
 
 
 def test_pretrained_weights_missing_from_cache_name_the_file(tmp_path, monkeypatch):

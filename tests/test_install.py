@@ -60,3 +60,16 @@ def test_every_module_the_product_imports_is_declared():
     undeclared = {m: owners.get(m) for m in third_party
                   if not {_name(d) for d in owners.get(m, [])} & _declared()}
     assert not undeclared, f"imported but not in pyproject.toml's dependencies: {undeclared}"
+
+
+def test_the_gpu_extra_adds_pynvml_alone_to_the_locked_environment():
+    """What `make install` runs on a machine with nvidia-smi: nothing locked moves."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "-c",
+                           "requirements.lock", "-e", ".[dev,gpu]"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [would] = [line for line in done.stdout.splitlines() if line.startswith("Would install")]
+    added = {_name(p.rsplit("-", 1)[0]) for p in would.removeprefix("Would install ").split()}
+    assert added == {"nvidia-ml-py", "trainflow"}

@@ -53,6 +53,9 @@ def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
     assert {e["world_size"] for e in starts} == {2}  # what ran, not what was asked
     assert {e["threads"] for e in starts} == {_threads(2)}  # the cores shared out
     assert result.world_size == 2
+    [params] = [e["params"] for e in ProgressReader(job.output_dir).poll()
+                if e["event"] == "params"]
+    assert params["loader_workers"] == 0  # "auto" on a machine without GPUs
     assert all(h["val_images"] == val_size for h in result.history)
     assert len(result.history) == 2
     assert result.best_metrics["val_accuracy"] > 0.5  # chance is 0.1

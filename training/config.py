@@ -238,10 +238,11 @@ class TrainingSpec(Spec):
         True, description="NHWC memory layout for convolutions (measured 1.05-1.15x faster "
         "steps on CPU for basicnet, resnet18, mobilenet_v3_small, vgg16: bench/RESULTS.md).")
     compile: bool = Field(False, description="torch.compile the model (slow first epoch).")
-    loader_workers: int = Field(
-        0, ge=0, le=32, description="DataLoader worker processes per rank. 0 on CPU machines "
-        "(measured: a worker competes with the ranks for cores); on a GPU machine with cores to "
-        "spare, 2-4 overlap loading with compute. Batches are pinned on a GPU.")
+    loader_workers: int | Literal["auto"] = Field(
+        "auto", description='DataLoader worker processes per rank. "auto": 0 on a machine '
+        "without GPUs (measured: a worker competes with the ranks for cores), else the cores "
+        "each GPU's rank can spare (cores per rank - 1, at most 4), so loading overlaps "
+        "compute. Batches are pinned on a GPU.")
     freeze_backbone: bool = Field(
         False, description="Train only the new classification head (with pretrained=true)."
     )
@@ -317,6 +318,14 @@ class TrainingSpec(Spec):
                              'e.g. "machine-{machine_rank}"') from None
         return name
 
+    def workers_per_rank(self, on_gpu: bool, cores: int, ranks_here: int) -> int:
+        """loader_workers with "auto" decided for a rank on this machine."""
+        if self.loader_workers != "auto":
+            return self.loader_workers
+        if not on_gpu:
+            return 0
+        return max(0, min(4, cores // max(1, ranks_here) - 1))
+
     def node_queue(self, machine_rank: int) -> str:
         return self.node_work_queue.format(machine_rank=machine_rank)
 
@@ -346,14 +355,17 @@ class TrainingSpec(Spec):
         return self.model_copy(update={"num_machines": 1, "machine_rank": 0,
                                        "main_process_ip": None, "main_process_port": None})
 
-    def resolved_num_processes(self) -> int:
-        """Processes on this machine, with "auto" decided by the hardware that is here."""
+    def resolved_num_processes(self, gpus: int | None = None) -> int:
+        """Processes on this machine, with "auto" decided by the hardware that is here (`gpus`:
+        its GPU count, asked of CUDA when not given)."""
         if self.num_processes != "auto":
             return self.num_processes
-        import torch
+        if gpus is None:
+            import torch
 
-        if torch.cuda.is_available():
-            return torch.cuda.device_count()
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus:
+            return gpus
         return 2 if (os.cpu_count() or 1) >= 2 else 1
 
 

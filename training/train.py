@@ -157,8 +157,11 @@ def make_loaders(job: TrainJob, accelerator: Accelerator, progress: ProgressWrit
     train = decode_split(job.split, "train", sides["train"], pre.channels, decoding("train"))
     val = decode_split(job.split, "val", sides["val"], pre.channels, decoding("val"))
     # Batches stay uint8 until the device (4x fewer bytes to copy); Normalize runs there.
-    loading = {"batch_size": spec.batch_size, "num_workers": spec.loader_workers,
-               "persistent_workers": spec.loader_workers > 0,
+    workers = spec.workers_per_rank(
+        accelerator.device.type == "cuda", len(os.sched_getaffinity(0)),
+        int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
+    loading = {"batch_size": spec.batch_size, "num_workers": workers,
+               "persistent_workers": workers > 0,
                "pin_memory": accelerator.device.type == "cuda"}
     return (DataLoader(CachedImages(train, pre.image_size, spec.augment), shuffle=True,
                        **loading),
@@ -168,6 +171,7 @@ def make_loaders(job: TrainJob, accelerator: Accelerator, progress: ProgressWrit
 def report_params(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: ProgressWriter,
                   train_loader: DataLoader, val_loader: DataLoader) -> None:
     params = {**job.training.model_dump(exclude={"main_process_ip"}), "world_size": rank.world,
+              "loader_workers": train_loader.num_workers,  # what "auto" became here
               "train_images": len(train_loader.dataset), "val_images": len(val_loader.dataset),
               "classes": len(job.split.class_names)}
     accelerator.init_trackers(os.environ.get("MLFLOW_EXPERIMENT_NAME", "train-flow"), params)
