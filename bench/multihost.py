@@ -22,8 +22,8 @@ from pathlib import Path
 def first_step_s(output_dir: Path, started: float) -> float:
     from training.engine.progress import ProgressReader
 
-    steps = [e["time"] for e in ProgressReader(output_dir).poll()
-             if e["event"] == "heartbeat" and e.get("phase") == "train"]
+    steps = [e.time for e in ProgressReader(output_dir).poll()
+             if e.event == "heartbeat" and getattr(e, "phase", None) == "train"]
     return min(steps) - started
 
 
@@ -35,7 +35,7 @@ def breakdown(output_dir: Path, started: float) -> str:
     from training.engine.progress import ProgressReader
 
     events = ProgressReader(output_dir).poll()
-    ranks_up = max(e["time"] for e in events if e["event"] == "start") - started
+    ranks_up = max(e.time for e in events if e.event == "start") - started
     with get_client(sync_client=True) as client:
         since = FlowRunFilterStartTime(after_=_utc(started))
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(start_time=since))

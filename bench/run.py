@@ -82,8 +82,8 @@ def launch(kind: str, job: TrainJob, processes: int, folder: Path, cold: bool = 
         raise RuntimeError(f"{kind} failed:\n{output[-3000:]}")
     if kind == "ours":
         events = ProgressReader(folder).poll()
-        first = min(e["time"] for e in events if e["event"] == "heartbeat" and e.get("phase") == "train")
-        epochs = [e["metrics"] for e in events if e["event"] == "epoch" and e["rank"] == 0]
+        first = min(e.time for e in events if e.event == "heartbeat" and e.phase == "train")
+        epochs = [e.metrics for e in events if e.event == "epoch" and e.rank == 0]
     else:
         lines = [json.loads(x) for x in output.splitlines() if x.startswith('{"event"')]
         first = next(x["time"] for x in lines if x["event"] == "first_step")

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from tasks import run_logger
 from tasks.launcher import launch
 from tasks.train import evaluation_dir
+from training.engine.events import Evaluated, last_from_rank_0
 from training.evaluation.plots import training_curves_png
 from training.handoff import TrainResult
 from training.storage import tracking_uri
@@ -48,10 +49,10 @@ def run_evaluation(trained: TrainResult, out: Path, logger) -> Evaluation:
             "--out", str(out)]
     events = launch(trained.job.training.on_this_machine(), "training.evaluate", args, out, logger,
                     on_event=lambda event: None)
-    done = [e for e in events if e["event"] == "done" and e["rank"] == 0]
-    if not done or not done[-1]["metrics"]:
+    done = last_from_rank_0(events, Evaluated)
+    if done is None:
         raise RuntimeError("evaluation exited cleanly but rank 0 reported no metrics")
-    return _evaluation(done[-1]["metrics"], out)
+    return _evaluation(done.metrics, out)
 
 
 def _evaluation(metrics: dict, out: Path) -> Evaluation:

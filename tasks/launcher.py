@@ -20,6 +20,7 @@ from pathlib import Path
 from queue import Empty, Queue
 
 from training.config import TrainingSpec
+from training.engine.events import Event, Failed
 from training.engine.progress import TASK_REPORTS, ProgressReader
 from training.processes import free_port, kill_tree, tied_to_parent
 
@@ -129,13 +130,13 @@ class LaunchWatch:
     """What the caller hears about while the launch runs."""
 
     on_line: Callable[[str], None] = lambda line: None
-    on_event: Callable[[dict], None] = lambda event: None
+    on_event: Callable[[Event], None] = lambda event: None
     hang_timeout_s: float = 300.0
     # Interpreter, torch and rendezvous start-up report nothing; a busy machine can take a
     # while, so the hang clock is this generous until the first progress event arrives.
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     timeout_s: float | None = None
-    events: list[dict] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
 
 
 @dataclass
@@ -170,7 +171,7 @@ class Watchdog:
 
 
 def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch: LaunchWatch,
-               cwd: Path | None = None) -> list[dict]:
+               cwd: Path | None = None) -> list[Event]:
     """Run the launch to the end; on failure, hang, timeout or interruption kill its group."""
     reader = ProgressReader(output_dir)
     reader.skip_existing()
@@ -194,13 +195,13 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
     pump = threading.Thread(target=_pump, args=(proc, lines), daemon=True)
     pump.start()
     dog = Watchdog(watch.hang_timeout_s, watch.startup_timeout_s, watch.timeout_s)
-    last_seen: dict[int, dict] = {}
+    last_seen: dict[int, Event] = {}
     try:
         while True:
             _drain(lines, on_line)
             for event in reader.poll():
                 watch.events.append(event)
-                last_seen[event["rank"]] = event
+                last_seen[event.rank] = event
                 dog.progress()
                 watch.on_event(event)
             if proc.poll() is not None:
@@ -226,8 +227,8 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
 
 
 def launch(spec: TrainingSpec, module: str, args: list[str], output_dir: Path,
-           logger: logging.Logger | logging.LoggerAdapter, on_event: Callable[[dict], None],
-           extra_env: dict[str, str] | None = None) -> list[dict]:
+           logger: logging.Logger | logging.LoggerAdapter, on_event: Callable[[Event], None],
+           extra_env: dict[str, str] | None = None) -> list[Event]:
     """`accelerate launch -m module args` for `spec`, watched; returns every rank's events.
 
     A free port is chosen just before the launch, so another launch can take it first: then
@@ -268,22 +269,23 @@ def _drain(lines: Queue, on_line: Callable[[str], None]) -> None:
             on_line(line)
 
 
-def describe(last_seen: dict[int, dict]) -> str:
+def describe(last_seen: dict[int, Event]) -> str:
     if not last_seen:
         return "no rank reported any progress yet"
     parts = []
     for rank, event in sorted(last_seen.items()):
-        where = ", ".join(f"{k} {event[k]}" for k in ("phase", "epoch", "step") if k in event)
-        ago = time.time() - event.get("time", time.time())
-        parts.append(f"rank {rank} last {event['event']} ({where}) {ago:.0f} s ago")
+        where = ", ".join(f"{k} {getattr(event, k)}" for k in ("phase", "epoch", "step")
+                          if getattr(event, k, None) is not None)
+        ago = time.time() - event.time
+        parts.append(f"rank {rank} last {event.event} ({where}) {ago:.0f} s ago")
     return "last progress: " + "; ".join(parts)
 
 
-def rank_errors(events: list[dict]) -> list[dict]:
-    return sorted((e for e in events if e["event"] == "error"), key=lambda e: e["time"])
+def rank_errors(events: list[Event]) -> list[Failed]:
+    return sorted((e for e in events if isinstance(e, Failed)), key=lambda e: e.time)
 
 
-def failure(returncode: int, events: list[dict]) -> tuple[str, str | None]:
+def failure(returncode: int, events: list[Event]) -> tuple[str, str | None]:
     """One line naming the rank that failed first and its error, and that rank's traceback."""
     errors = rank_errors(events)
     if not errors:
@@ -291,6 +293,6 @@ def failure(returncode: int, events: list[dict]) -> tuple[str, str | None]:
                 "(killed from outside, or it failed before training started; see the log above)",
                 None)
     first = errors[0]
-    others = sorted({e["rank"] for e in errors} - {first["rank"]})
+    others = sorted({e.rank for e in errors} - {first.rank})
     also = f" (ranks {others} failed after it)" if others else ""
-    return f"rank {first['rank']} failed{also}: {first['error']}", first["traceback"]
+    return f"rank {first.rank} failed{also}: {first.error}", first.traceback

@@ -37,6 +37,7 @@ from tasks.network import (
 )
 from tasks.preflight import check_training
 from training.config import TrainingSpec
+from training.engine.events import Event, Started
 from training.engine.progress import ProgressReader
 from training.handoff import TrainJob
 from training.processes import free_port
@@ -54,7 +55,7 @@ class NodesUnavailable(LaunchFailed):
 # --- the train task's side -------------------------------------------------------------------
 
 def launch_nodes(spec: TrainingSpec, job_file: Path, output_dir: Path, resume: bool, logger,
-                 on_event: Callable[[dict], None]) -> list[dict]:
+                 on_event: Callable[[Event], None]) -> list[Event]:
     """Start a node per machine, wait for all, return every rank's events (like `launch`)."""
     reader = ProgressReader(output_dir)
     reader.skip_existing()
@@ -132,17 +133,17 @@ def wait_for_address(client, run_id: UUID | str, spec: TrainingSpec) -> tuple[st
 
 
 def watch(client, runs: dict[int, UUID], reader: ProgressReader, spec: TrainingSpec,
-          on_event: Callable[[dict], None]) -> list[dict]:
+          on_event: Callable[[Event], None]) -> list[Event]:
     """Every rank's events as they come; the first node to fail fails the training."""
-    events: list[dict] = []
-    last_seen: dict[int, dict] = {}
+    events: list[Event] = []
+    last_seen: dict[int, Event] = {}
     dog = Watchdog(spec.hang_timeout_s, NODE_STARTUP_S + spec.rendezvous_timeout_s,
                    spec.timeout_s)
 
     def read_events() -> None:
         for event in reader.poll():
             events.append(event)
-            last_seen[event["rank"]] = event
+            last_seen[event.rank] = event
             dog.progress()
             on_event(event)
 
@@ -219,9 +220,9 @@ def launch_node(job_file: Path, machine_rank: int, resume: bool,
                                    "main_process_port": port})
     here = []
 
-    def on_event(event: dict) -> None:
-        if event["event"] == "start" and event.get("address") == local:
-            here.append(event["rank"])
+    def on_event(event: Event) -> None:
+        if isinstance(event, Started) and event.address == local:
+            here.append(event.rank)
 
     args = ["--job", str(job_file)] + (["--resume"] if resume else [])
     launch(node, "training.train", args, job.output_dir, logger, on_event, rendezvous_env(local))

@@ -22,6 +22,7 @@ from training.config import DatasetSpec, TrainingSpec
 from training.data.images import IMAGE_EXTENSIONS
 from training.data.kaggle import download
 from training.data.sources import check_source, source_root, write_digits
+from training.engine.events import ScoringFinished, last_from_rank_0
 from training.storage import home, tracking_uri, write_text_atomic
 
 KAGGLE_TEST_FOLDERS = ("test", "test1")  # where competitions keep their unlabelled images
@@ -130,15 +131,15 @@ def score_files(model_dir: Path, paths: list[Path], root: Path, out: Path, spec:
                     ["--model", str(model_dir), "--images", str(listing), "--out", str(out)],
                     out, logger, on_event=lambda event: None)
     seconds = time.perf_counter() - started
-    done = [e for e in events if e["event"] == "done" and e["rank"] == 0 and e.get("scored")]
-    if not done:
+    done = last_from_rank_0(events, ScoringFinished)
+    if done is None or done.scored is None:
         raise RuntimeError("scoring exited cleanly but rank 0 reported no predictions")
-    scored = done[-1]["scored"]
+    scored = done.scored
     if scored["images"] != len(paths):
         raise RuntimeError(f"scored {scored['images']} images of {len(paths)}")
     return Scored(predictions=_relative_paths(Path(scored["predictions"]), root),
                   images=scored["images"], errors=scored["errors"],
-                  world_size=done[-1]["world_size"], seconds=seconds)
+                  world_size=done.world_size, seconds=seconds)
 
 
 @task(retries=1, retry_delay_seconds=2)

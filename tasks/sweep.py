@@ -31,6 +31,7 @@ from tasks import run_logger
 from tasks.launcher import LaunchFailed
 from tasks.train import run_training
 from training.config import Distribution, SweepSpec, TrainingSpec
+from training.engine.events import EpochEnded
 from training.handoff import SplitResult, TrainJob, TrainResult
 from training.storage import home, tracking_uri
 
@@ -192,12 +193,12 @@ def train_trial(trial: optuna.Trial, spec: TrainingSpec, data: SplitResult, fold
                 env: dict, run_id: str, client: MlflowClient, logger) -> float:
     epochs_run = 0
 
-    def on_epoch(event: dict) -> None:
+    def on_epoch(event: EpochEnded) -> None:
         nonlocal epochs_run
-        epochs_run = event["epoch"]
-        trial.report(event["metrics"]["val_accuracy"], step=event["epoch"])
+        epochs_run = event.epoch
+        trial.report(event.metrics["val_accuracy"], step=event.epoch)
         if trial.should_prune():  # raised in the watcher: the launch is killed on the way out
-            raise optuna.TrialPruned(f"pruned after epoch {event['epoch']}")
+            raise optuna.TrialPruned(f"pruned after epoch {event.epoch}")
 
     job = TrainJob(split=data, training=spec, output_dir=folder / f"trial-{trial.number}")
     try:

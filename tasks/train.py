@@ -12,6 +12,16 @@ from tasks import run_logger
 from tasks.launcher import launch
 from tasks.mlflow_logging import EpochLogger
 from training.config import TrainingSpec
+from training.engine.events import (
+    EpochEnded,
+    Evaluated,
+    Event,
+    Params,
+    Resumed,
+    Started,
+    Trained,
+    last_from_rank_0,
+)
 from training.handoff import Preprocessing, SplitResult, TrainJob, TrainResult
 from training.storage import write_text_atomic
 
@@ -41,20 +51,20 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
     if evaluate_into is not None:
         args += ["--evaluate-into", str(evaluate_into)]
 
-    def on_event(event: dict) -> None:
-        kind, main = event["event"], event["rank"] == 0
-        if kind == "params" and main:
-            tracker.log_params(event["params"])
-        elif kind == "epoch" and main:
-            tracker.log_metrics(event["metrics"], step=event["epoch"])
-            logger.info("epoch %s/%s %s", event["epoch"], event["epochs"], " ".join(
-                f"{k}={v:.4g}" for k, v in event["metrics"].items()))
+    def on_event(event: Event) -> None:
+        main = event.rank == 0
+        if isinstance(event, Params) and main:
+            tracker.log_params(event.params)
+        elif isinstance(event, EpochEnded) and main:
+            tracker.log_metrics(event.metrics, step=event.epoch)
+            logger.info("epoch %s/%s %s", event.epoch, event.epochs, " ".join(
+                f"{k}={v:.4g}" for k, v in event.metrics.items()))
             on_epoch(event)
-        elif kind == "start":
-            logger.info("rank %s started on %s, world size %s", event["rank"], event["device"],
-                        event["world_size"])
-        elif kind == "resumed" and main:
-            logger.info("resumed from %s (epoch %s done)", event["checkpoint"], event["epoch"])
+        elif isinstance(event, Started):
+            logger.info("rank %s started on %s, world size %s", event.rank, event.device,
+                        event.world_size)
+        elif isinstance(event, Resumed) and main:
+            logger.info("resumed from %s (epoch %s done)", event.checkpoint, event.epoch)
 
     monitor = system_metrics(mlflow_run_id, tracking_uri)
     try:
@@ -70,23 +80,21 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         if monitor is not None:
             monitor.finish()
         unsent = tracker.flush()  # what the finished epochs logged is kept even on failure
-    done = [e for e in events if e["event"] == "done" and e["rank"] == 0]
-    if not done:
+    result = last_from_rank_0(events, Trained)
+    if result is None:
         raise RuntimeError("training exited cleanly but rank 0 reported no result")
-    result = done[-1]
-    best = result["best"]
-    evaluated = [e for e in events if e["event"] == "evaluated" and e["rank"] == 0]
+    evaluated = last_from_rank_0(events, Evaluated)
     return TrainResult(
         job=job,
-        preprocessing=Preprocessing.model_validate(result["preprocessing"]),
-        weights=Path(result["weights"]),
-        best_epoch=best["epoch"],
-        best_metrics={k: v for k, v in best.items() if k != "epoch"},
-        history=result["history"],
-        world_size=result["world_size"],
+        preprocessing=Preprocessing.model_validate(result.preprocessing),
+        weights=Path(result.weights),
+        best_epoch=result.best["epoch"],
+        best_metrics={k: v for k, v in result.best.items() if k != "epoch"},
+        history=result.history,
+        world_size=result.world_size,
         mlflow_unsent=unsent,
-        test_metrics=evaluated[-1]["metrics"] if evaluated else None,
-        test_dir=Path(evaluated[-1]["out"]) if evaluated else None,
+        test_metrics=evaluated.metrics if evaluated else None,
+        test_dir=Path(evaluated.out) if evaluated else None,
     )
 
 
@@ -115,8 +123,8 @@ def train_model(split: SplitResult, training: TrainingSpec, output_dir: Path,
     job = TrainJob(split=split, training=training, output_dir=output_dir)
     artifact_id = create_progress_artifact(progress=0.0, description="training epochs")
 
-    def on_epoch(event: dict) -> None:
-        update_progress_artifact(artifact_id, progress=100.0 * event["epoch"] / event["epochs"])
+    def on_epoch(event: EpochEnded) -> None:
+        update_progress_artifact(artifact_id, progress=100.0 * event.epoch / event.epochs)
 
     result = run_training(job, logger, resume=True, on_epoch=on_epoch,
                           mlflow_run_id=mlflow_run_id, tracking_uri=tracking_uri,

@@ -145,7 +145,7 @@ def test_cancelling_a_flow_run_stops_every_rank(stack):
     deadline, pids = time.monotonic() + 300, []
     while time.monotonic() < deadline and len(pids) < 2:
         if (progress / "progress").exists():
-            pids = [e["pid"] for e in ProgressReader(progress).poll() if e["event"] == "start"]
+            pids = [e.pid for e in ProgressReader(progress).poll() if e.event == "start"]
         time.sleep(0.5)
     assert len(pids) == 2, "training never started"
     cancelled_at = time.monotonic()

@@ -36,7 +36,7 @@ def test_killed_rank_in_a_flow_is_retried_resumed_and_registered_once(
                         registry={"model_name": "fault-digits"})
     assert (tmp_path / "fired").exists()  # the rank really was killed once
     events = ProgressReader(result.trained.output_dir).poll()
-    assert any(e["event"] == "resumed" and e["epoch"] == 1 for e in events)
+    assert any(e.event == "resumed" and e.epoch == 1 for e in events)
     assert [h["epoch"] for h in result.trained.history] == [1, 2, 3]
     client = MlflowClient(tracking_uri())
     flow_run_id = client.get_run(result.mlflow_run_id).data.tags[FLOW_RUN_ID]
@@ -64,7 +64,7 @@ def test_mlflow_going_down_mid_training_keeps_the_weights(digits_split, tmp_path
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             folder = job.output_dir / "progress"
-            if folder.exists() and any(e["event"] == "epoch" for e in ProgressReader(job.output_dir).poll()):
+            if folder.exists() and any(e.event == "epoch" for e in ProgressReader(job.output_dir).poll()):
                 server.__exit__(None, None, None)
                 stopped.set()
                 return

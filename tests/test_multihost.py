@@ -133,7 +133,7 @@ def test_one_flow_run_trains_on_two_hosts_and_a_killed_node_resumes_on_both(on_h
         time.sleep(0.5)
         for progress in (home() / "runs").glob("*/train/progress/rank0.jsonl"):
             events = ProgressReader(progress.parent.parent).poll()
-            if any(e["event"] == "epoch" and e["epoch"] == 1 for e in events):
+            if any(e.event == "epoch" and e.epoch == 1 for e in events):
                 killed, killed_at = _kill_launch_on(hosts, 1), time.time()  # in epoch 2
                 break
     assert killed, "the training never finished its first epoch on two hosts"
@@ -143,10 +143,10 @@ def test_one_flow_run_trains_on_two_hosts_and_a_killed_node_resumes_on_both(on_h
 
     assert result.trained.world_size == 4
     events = ProgressReader(result.trained.job.output_dir).poll()
-    resumed = [e for e in events if e["event"] == "resumed"]
-    assert resumed and resumed[-1]["epoch"] >= 1  # the retry went on from a checkpoint
-    retried = Counter(e["address"] for e in events if e["event"] == "start"
-                      and e["time"] > killed_at)  # two ranks on each host, again
+    resumed = [e for e in events if e.event == "resumed"]
+    assert resumed and resumed[-1].epoch >= 1  # the retry went on from a checkpoint
+    retried = Counter(e.address for e in events if e.event == "start"
+                      and e.time > killed_at)  # two ranks on each host, again
     assert retried == Counter({hosts.addresses[0]: 2, hosts.addresses[1]: 2}), retried
     assert hosts.received_bytes(1) - received_before > 100_000  # gradients crossed the link
 
@@ -218,7 +218,7 @@ def test_cancelling_the_flow_run_stops_every_node_on_every_host(on_hosts, flow_w
     progress = home() / "runs" / str(run.id) / "train"
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline and not any(
-            e["event"] == "epoch" for e in ProgressReader(progress).poll()):
+            e.event == "epoch" for e in ProgressReader(progress).poll()):
         time.sleep(0.5)
     assert _training_processes(hosts), "the training never got going on the hosts"
     with get_client(sync_client=True) as client:

@@ -41,7 +41,7 @@ def test_a_resumed_run_continues_the_same_learning_rate_curve(digits_split, tmp_
         run_training(job, LOG, extra_env={"TRAINFLOW_FAULT": "kill:rank=1:epoch=3:step=2"})
     resumed = run_training(job, LOG, resume=True)
     events = ProgressReader(job.output_dir).poll()
-    assert any(e["event"] == "resumed" and e["epoch"] == 2 for e in events)
+    assert any(e.event == "resumed" and e.epoch == 2 for e in events)
     assert _lrs(resumed) == pytest.approx(curve, rel=1e-9)
 
 
@@ -57,7 +57,7 @@ def test_a_resume_on_another_world_size_continues_the_same_curve(digits_split, t
         update={"num_processes": 1})})
     resumed = run_training(one, LOG, resume=True)
     assert resumed.world_size == 1
-    assert any(e["event"] == "resumed" and e["epoch"] == 2
+    assert any(e.event == "resumed" and e.epoch == 2
                for e in ProgressReader(job.output_dir).poll())
     assert _lrs(resumed) == pytest.approx(curve, rel=1e-9)
 
@@ -69,7 +69,7 @@ def test_early_stopping_stops_every_rank_and_keeps_the_best_epoch(digits_split, 
     result = run_training(job, LOG)
     assert [h["epoch"] for h in result.history] == [1, 2]
     events = ProgressReader(job.output_dir).poll()
-    assert sorted(e["rank"] for e in events if e["event"] == "early_stop") == [0, 1]
+    assert sorted(e.rank for e in events if e.event == "early_stop") == [0, 1]
     best = max(result.history, key=lambda h: (h["val_accuracy"], -h["val_loss"]))
     assert result.best_epoch == best["epoch"]
     with safe_open(str(result.weights), "pt") as f:

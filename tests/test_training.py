@@ -39,7 +39,7 @@ def _threads(processes: int) -> int:
 
 def _rank_pids(output_dir) -> list[int]:
     reader = ProgressReader(output_dir)
-    return [e["pid"] for e in reader.poll() if e["event"] == "start"]
+    return [e.pid for e in reader.poll() if e.event == "start"]
 
 
 def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
@@ -48,13 +48,13 @@ def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
     assert val_size % 50 != 0  # the batch size does not divide the split
     job = _job(digits_split, tmp_path)
     result = run_training(job, LOG)
-    starts = [e for e in ProgressReader(job.output_dir).poll() if e["event"] == "start"]
-    assert sorted(e["rank"] for e in starts) == [0, 1]
-    assert {e["world_size"] for e in starts} == {2}  # what ran, not what was asked
-    assert {e["threads"] for e in starts} == {_threads(2)}  # the cores shared out
+    starts = [e for e in ProgressReader(job.output_dir).poll() if e.event == "start"]
+    assert sorted(e.rank for e in starts) == [0, 1]
+    assert {e.world_size for e in starts} == {2}  # what ran, not what was asked
+    assert {e.threads for e in starts} == {_threads(2)}  # the cores shared out
     assert result.world_size == 2
-    [params] = [e["params"] for e in ProgressReader(job.output_dir).poll()
-                if e["event"] == "params"]
+    [params] = [e.params for e in ProgressReader(job.output_dir).poll()
+                if e.event == "params"]
     assert params["loader_workers"] == 0  # "auto" on a machine without GPUs
     assert all(h["val_images"] == val_size for h in result.history)
     assert len(result.history) == 2
@@ -69,8 +69,8 @@ def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
     single = run_training(_job(digits_split, tmp_path, "single", num_processes=1), LOG)
     assert single.world_size == 1
     # accelerate launch alone would give a single CPU process one thread and idle the rest.
-    assert [e["threads"] for e in ProgressReader(tmp_path / "single").poll()
-            if e["event"] == "start"] == [_threads(1)]
+    assert [e.threads for e in ProgressReader(tmp_path / "single").poll()
+            if e.event == "start"] == [_threads(1)]
     assert [h["val_images"] for h in single.history] == [val_size, val_size]
 
 
@@ -85,8 +85,8 @@ def test_a_decode_longer_than_the_collective_timeout_does_not_fail_the_run(digit
     events = ProgressReader(job.output_dir).poll()
     decoders: dict[str, set[int]] = {}
     for e in events:
-        if str(e.get("phase", "")).startswith("decode"):
-            decoders.setdefault(e["phase"], set()).add(e["rank"])
+        if str(getattr(e, "phase", "")).startswith("decode"):
+            decoders.setdefault(e.phase, set()).add(e.rank)
     assert set(decoders) == {"decode train", "decode val"}
     assert all(len(ranks) == 1 for ranks in decoders.values()), decoders  # each split once
 
@@ -133,12 +133,12 @@ def test_killed_rank_ends_the_launch_and_retry_resumes(digits_split, tmp_path):
     deadline = time.monotonic() + 120
     while killed_at is None and time.monotonic() < deadline:
         events = reader.poll() if reader.folder.exists() else []
-        pids += [e["pid"] for e in events if e["event"] == "start"]
-        if any(e["event"] == "epoch" and e["epoch"] == 1 for e in events):
+        pids += [e.pid for e in events if e.event == "start"]
+        if any(e.event == "epoch" and e.epoch == 1 for e in events):
             time.sleep(1.0)  # mid-epoch 2
             victim = next(e for e in ProgressReader(job.output_dir).poll()
-                          if e["event"] == "start" and e["rank"] == 1)
-            os.kill(victim["pid"], signal.SIGKILL)
+                          if e.event == "start" and e.rank == 1)
+            os.kill(victim.pid, signal.SIGKILL)
             killed_at = time.monotonic()
         time.sleep(0.1)
     thread.join(60)
@@ -150,8 +150,8 @@ def test_killed_rank_ends_the_launch_and_retry_resumes(digits_split, tmp_path):
     resumed = run_training(job, LOG, resume=True)
     assert [h["epoch"] for h in resumed.history] == [1, 2, 3]
     events = ProgressReader(job.output_dir).poll()
-    assert any(e["event"] == "resumed" and e["epoch"] == 1 for e in events)
-    epochs_run = [e["epoch"] for e in events if e["event"] == "epoch" and e["rank"] == 0]
+    assert any(e.event == "resumed" and e.epoch == 1 for e in events)
+    epochs_run = [e.epoch for e in events if e.event == "epoch" and e.rank == 0]
     assert epochs_run == [1, 2, 3]  # epoch 1 was not repeated
 
 
@@ -226,9 +226,9 @@ def test_two_machines_on_loopback_train_one_job(digits_split, tmp_path):
         t.join(300)
     assert errors == []
     seen = ProgressReader(tmp_path / "shared").poll()
-    assert sorted((e["rank"], e["world_size"]) for e in seen if e["event"] == "start") == [
+    assert sorted((e.rank, e.world_size) for e in seen if e.event == "start") == [
         (0, 2), (1, 2)]
-    assert [e["world_size"] for e in seen if e["event"] == "done" and e["rank"] == 0] == [2]
+    assert [e.world_size for e in seen if e.event == "trained" and e.rank == 0] == [2]
 
 
 def _bare_launch(job, *options, env=None):

@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
 
 from training.data.cache import CachedImages, Normalize, decode_split, split_sides
+from training.engine.events import Evaluated, Heartbeat
 from training.engine.progress import ProgressWriter, Rank, start_rank
 from training.evaluation.metrics import compute_metrics, predictions_csv
 from training.handoff import TrainJob
@@ -66,7 +67,7 @@ def predict_split(job: TrainJob, weights: Path, accelerator: Accelerator, progre
         outputs.append(logits.cpu())
         indices.append(index.cpu())
         if step % 10 == 0:
-            progress.emit("heartbeat", phase=f"evaluate {split}", step=step)
+            progress.emit(Heartbeat, phase=f"evaluate {split}", step=step)
     logits = torch.cat(outputs)[torch.cat(indices).argsort()]
     if len(logits) != len(labels):
         raise RuntimeError(f"evaluated {len(logits)} images, the {split} split has {len(labels)}")
@@ -93,7 +94,7 @@ def evaluate(job: TrainJob, weights: Path, out: Path, accelerator: Accelerator, 
 
 
 def summarize(metrics: dict) -> dict:
-    """The metrics without the confusion matrix: what the `done` event carries."""
+    """The metrics without the confusion matrix: what the `Evaluated` message carries."""
     return {k: v for k, v in metrics.items() if not isinstance(v, list)}
 
 
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     if metrics is not None:
         summary = summarize(metrics)
         print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}))
-    progress.emit("done", metrics=summary, world_size=rank.world)
+    if summary is not None:  # the main rank's
+        progress.emit(Evaluated, metrics=summary, world_size=rank.world, out=str(args.out))
     accelerator.end_training()
 
 

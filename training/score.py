@@ -18,6 +18,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
+from training.engine.events import Heartbeat, ScoringFinished
 from training.engine.progress import ProgressWriter, Rank, start_rank
 from training.processes import die_with_parent
 from training.storage import write_text_atomic
@@ -44,7 +45,7 @@ def score(model_dir: Path, paths: list[str], accelerator: Accelerator, rank: Ran
             frame.insert(0, "path", [paths[i] for i in rows])
             frame.index = rows
             frames.append(frame)
-            progress.emit("heartbeat", phase="score", step=start + len(rows), total=len(mine))
+            progress.emit(Heartbeat, phase="score", step=start + len(rows), total=len(mine))
     from accelerate.utils import gather_object
 
     # Frames are pickled between this job's own ranks only, never read from a store.
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     if predictions is not None:
         summary = {"images": len(predictions), "errors": int(predictions["error"].notna().sum()),
                    "predictions": str(args.out / "predictions.csv")}
-    progress.emit("done", world_size=rank.world, scored=summary)
+    progress.emit(ScoringFinished, world_size=rank.world, scored=summary)
     accelerator.end_training()
 
 

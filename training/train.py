@@ -38,6 +38,15 @@ from torch.utils.data import DataLoader
 from training.config import TrainingSpec
 from training.data.cache import CachedImages, Normalize, decode_split, split_sides
 from training.engine.checkpoint import Checkpointer, TrainerState, project_configuration
+from training.engine.events import (
+    EarlyStopped,
+    EpochEnded,
+    Evaluated,
+    Heartbeat,
+    Params,
+    Resumed,
+    Trained,
+)
 from training.engine.faults import delay_decode
 from training.engine.loop import Learner, train_one_epoch, validate
 from training.engine.progress import ProgressWriter, Rank, start_rank, task_reports
@@ -70,7 +79,7 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
     state = (checkpoints.resume() if resume else None) or TrainerState()
     if state.epoch:
         continue_after(scheduler, state.epoch, optimizer_steps(train_loader, spec))
-        progress.emit("resumed", checkpoint=str(checkpoints.latest()), epoch=state.epoch)
+        progress.emit(Resumed, checkpoint=str(checkpoints.latest()), epoch=state.epoch)
     stopper = EarlyStopping(spec.early_stopping_patience, spec.early_stopping_min_delta,
                             **state.early_stopping)
     report_params(job, accelerator, rank, progress, train_loader, val_loader)
@@ -92,13 +101,13 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
                                 if k in ("best", "waited", "stopped")}
         checkpoint = checkpoints.save(epoch, state, is_best)
         accelerator.log(metrics, step=epoch)
-        progress.emit("epoch", epoch=epoch, epochs=spec.epochs, metrics=metrics,
+        progress.emit(EpochEnded, epoch=epoch, epochs=spec.epochs, metrics=metrics,
                       is_best=is_best, checkpoint=str(checkpoint), world_size=rank.world)
         if rank.main and not task_reports():  # else the task says it once
             print(f"[rank {rank.index}] epoch {epoch}/{spec.epochs} " + " ".join(
                 f"{k}={v:.4g}" for k, v in metrics.items()), flush=True)
         if stop:  # every rank saw the same gathered metrics: all leave here together
-            progress.emit("early_stop", epoch=epoch, best_epoch=state.best["epoch"])
+            progress.emit(EarlyStopped, epoch=epoch, best_epoch=state.best["epoch"])
             break
     return finish(job, accelerator, rank, progress, state, checkpoints.best_weights)
 
@@ -147,7 +156,7 @@ def make_loaders(job: TrainJob, accelerator: Accelerator, progress: ProgressWrit
 
     def decoding(split):
         def on_progress(done: int, total: int) -> None:
-            progress.emit("heartbeat", phase=f"decode {split}", step=done, total=total)
+            progress.emit(Heartbeat, phase=f"decode {split}", step=done, total=total)
             delay_decode()
         return on_progress
 
@@ -176,7 +185,7 @@ def report_params(job: TrainJob, accelerator: Accelerator, rank: Rank, progress:
               "classes": len(job.split.class_names)}
     accelerator.init_trackers(os.environ.get("MLFLOW_EXPERIMENT_NAME", "train-flow"), params)
     if rank.main:
-        progress.emit("params", params=params)
+        progress.emit(Params, params=params)
 
 
 def finish(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: ProgressWriter,
@@ -187,7 +196,7 @@ def finish(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progre
     if rank.main:
         load_trained(job, weights)  # the saved weights load strictly before success is reported
         write_json_atomic(job.output_dir / "history.json", result)
-    progress.emit("done", **result)
+    progress.emit(Trained, **result)
     return result
 
 
@@ -248,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
                                rank, progress)
             accelerator.wait_for_everyone()
             if metrics is not None:
-                progress.emit("evaluated", metrics=summarize(metrics), out=str(args.evaluate_into))
+                progress.emit(Evaluated, metrics=summarize(metrics), world_size=rank.world,
+                              out=str(args.evaluate_into))
     accelerator.end_training()  # trackers, and the process group: after the evaluation
 
 

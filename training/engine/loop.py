@@ -9,6 +9,7 @@ import torch
 from accelerate import Accelerator
 
 from training.config import TrainingSpec
+from training.engine.events import Heartbeat
 from training.engine.faults import with_faults
 from training.engine.progress import ProgressWriter, Rank
 
@@ -61,7 +62,7 @@ def train_one_epoch(learner: Learner, loader, epoch: int) -> dict:
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += labels.numel()
         if step % learner.spec.heartbeat_steps == 0:
-            learner.progress.emit("heartbeat", phase="train", epoch=epoch, step=step)
+            learner.progress.emit(Heartbeat, phase="train", epoch=epoch, step=step)
     # Summed over ranks: the sampler pads the last round, so a few images may count twice
     # in training metrics; validation below is exact.
     loss_sum, correct, images = accelerator.reduce(totals, reduction="sum").tolist()
@@ -84,7 +85,7 @@ def validate(learner: Learner, loader, epoch: int) -> dict:
         losses.append(loss)
         hits.append(hit)
         if step % 10 == 0:
-            learner.progress.emit("heartbeat", phase="val", epoch=epoch, step=step)
+            learner.progress.emit(Heartbeat, phase="val", epoch=epoch, step=step)
     loss, hit = torch.cat(losses), torch.cat(hits)
     return {"val_loss": loss.mean().item(), "val_accuracy": hit.float().mean().item(),
             "val_images": len(hit)}

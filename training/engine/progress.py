@@ -1,14 +1,13 @@
 """The structured channel from the training processes to whoever launched them.
 
-Each rank appends JSON lines to its own file, `progress/rank<N>.jsonl`, flushed per line: the
-task tails them for epoch metrics, heartbeats (the hang watchdog) and per-rank errors,
-instead of scraping free text.
+Each rank appends its messages (training/engine/events.py) as JSON lines to its own file,
+`progress/rank<N>.jsonl`, flushed per line: the task tails them for epoch metrics, heartbeats
+(the hang watchdog) and per-rank errors, instead of scraping free text.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 import traceback
@@ -16,6 +15,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError
+
+from training.engine.events import Event, Failed, Started, parse_event
 
 TASK_REPORTS = "TRAINFLOW_TASK_REPORTS"
 """Set by the launching task, which shows each epoch and a failed rank's traceback once, from the
@@ -55,10 +58,12 @@ class ProgressWriter:
         # Held open for the whole run; line-buffered so every event is on disk when written.
         self._file = open(folder / f"rank{rank}.jsonl", "a", encoding="utf-8", buffering=1)  # noqa: SIM115
 
-    def emit(self, event: str, **fields: Any) -> None:
-        record = {"event": event, "rank": self.rank, "time": time.time(), **fields}
+    def emit(self, kind: type[Event], **fields: Any) -> None:
+        """Send a `kind` message (training/engine/events.py) from this rank, now; a field the
+        model does not have fails here, in the rank that wrote it."""
+        record = kind(rank=self.rank, time=time.time(), **fields)
         with self._lock:
-            self._file.write(json.dumps(record, default=str) + "\n")
+            self._file.write(record.model_dump_json() + "\n")
 
     def close(self) -> None:
         self._file.close()
@@ -70,10 +75,26 @@ class ProgressWriter:
         try:
             yield
         except Exception as e:
-            self.emit("error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            self.emit(Failed, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
             if task_reports():
                 raise SystemExit(1) from None
             raise
+
+
+class MalformedEvent(ValueError):
+    """A line in a rank's progress file that is not one of the messages of events.py."""
+
+
+def _parse(path: Path, line: bytes) -> Event:
+    try:
+        return parse_event(line)
+    except ValidationError as e:
+        problem = e.errors()[0]
+        where = ".".join(map(str, problem["loc"]))
+        raise MalformedEvent(
+            f"{path.stem.replace('rank', 'rank ')} sent a message the task cannot read "
+            f"({where + ': ' if where else ''}{problem['msg']}): {line[:200]!r}; the ranks and "
+            "the task must run the same version of training/") from None
 
 
 def start_rank(accelerator, output_dir: Path) -> tuple[Rank, ProgressWriter]:
@@ -85,9 +106,8 @@ def start_rank(accelerator, output_dir: Path) -> tuple[Rank, ProgressWriter]:
 
     rank = Rank.of(accelerator)
     progress = ProgressWriter(output_dir, rank.index)
-    progress.emit("start", world_size=rank.world, device=str(accelerator.device),
+    progress.emit(Started, world_size=rank.world, device=str(accelerator.device),
                   pid=os.getpid(), threads=torch.get_num_threads(),
-                  # the address its machine joined the rendezvous with (several machines)
                   address=os.environ.get("PET_LOCAL_ADDR"))
     return rank, progress
 
@@ -104,7 +124,7 @@ class ProgressReader:
         for path in sorted(self.folder.glob("rank*.jsonl")):
             self._offsets[path] = path.stat().st_size
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[Event]:
         events = []
         for path in sorted(self.folder.glob("rank*.jsonl")):
             offset = self._offsets.get(path, 0)
@@ -114,8 +134,6 @@ class ProgressReader:
             end = data.rfind(b"\n") + 1
             self._offsets[path] = offset + end
             for line in data[:end].splitlines():
-                try:
-                    events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        return sorted(events, key=lambda e: e.get("time", 0))
+                if line.strip():
+                    events.append(_parse(path, line))
+        return sorted(events, key=lambda e: e.time)

@@ -1,0 +1,130 @@
+"""The messages the ranks send whoever launched them: one typed model per kind.
+
+Each rank writes them as JSON lines (training/engine/progress.py); the launching task reads them
+back as these same models. A field misspelt on either side fails where it is written or read,
+with the model's name, instead of as a missing key in another process.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+
+class Event(BaseModel):
+    """What every message carries: which rank sent it, and when (seconds since the epoch)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    rank: int
+    time: float
+
+
+class Started(Event):
+    """The rank is up: the launcher's start-up watch ends, the hang watch begins."""
+
+    event: Literal["start"] = "start"
+    world_size: int
+    device: str
+    pid: int
+    threads: int
+    address: str | None = None
+    """The address its machine joined the rendezvous with (several machines)."""
+
+
+class Heartbeat(Event):
+    """Progress within a phase (decode, train, val, evaluate, score), every few steps."""
+
+    event: Literal["heartbeat"] = "heartbeat"
+    phase: str
+    epoch: int | None = None
+    step: int | None = None
+    total: int | None = None
+
+
+class Params(Event):
+    """The run's effective parameters (rank 0), for the tracking run."""
+
+    event: Literal["params"] = "params"
+    params: dict[str, Any]
+
+
+class EpochEnded(Event):
+    """An epoch's gathered metrics; every rank sends the same numbers."""
+
+    event: Literal["epoch"] = "epoch"
+    epoch: int
+    epochs: int
+    metrics: dict[str, int | float]
+    is_best: bool
+    checkpoint: str
+    world_size: int
+
+
+class Resumed(Event):
+    event: Literal["resumed"] = "resumed"
+    checkpoint: str
+    epoch: int
+    """Epochs already done."""
+
+
+class EarlyStopped(Event):
+    event: Literal["early_stop"] = "early_stop"
+    epoch: int
+    best_epoch: int
+
+
+class Trained(Event):
+    """Training finished: the best epoch's weights are saved and load."""
+
+    event: Literal["trained"] = "trained"
+    world_size: int
+    best: dict[str, int | float]
+    """The best epoch's number ("epoch") and its validation metrics."""
+    history: list[dict[str, int | float]]
+    weights: str
+    preprocessing: dict[str, Any]
+
+
+class Evaluated(Event):
+    """Test-split metrics (without the confusion matrix) and the folder of the full files."""
+
+    event: Literal["evaluated"] = "evaluated"
+    metrics: dict[str, Any]
+    world_size: int
+    out: str
+
+
+class ScoringFinished(Event):
+    """Batch scoring finished; `scored` is None on ranks that wrote no predictions."""
+
+    event: Literal["scored"] = "scored"
+    world_size: int
+    scored: dict[str, Any] | None
+
+
+class Failed(Event):
+    """The rank raised: its error in one line, and its traceback."""
+
+    event: Literal["error"] = "error"
+    error: str
+    traceback: str
+
+
+AnyEvent = Annotated[Started | Heartbeat | Params | EpochEnded | Resumed | EarlyStopped
+                     | Trained | Evaluated | ScoringFinished | Failed, Field(discriminator="event")]
+_READ = TypeAdapter(AnyEvent)
+
+
+def parse_event(line: str) -> Event:
+    """One JSON line back into its model."""
+    return _READ.validate_json(line)
+
+
+E = TypeVar("E", bound=Event)
+
+
+def last_from_rank_0(events: list[Event], kind: type[E]) -> E | None:
+    """The newest message of `kind` from rank 0 (the one that reports results), if any."""
+    found = [e for e in events if isinstance(e, kind) and e.rank == 0]
+    return found[-1] if found else None
