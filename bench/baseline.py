@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--data", choices=["files", "memory"], default="files")
     parser.add_argument("--recipe", choices=["mirror", "tutorial"], default="mirror")
     args = parser.parse_args()
-    job = TrainJob.model_validate_json(args.job.read_text())
+    job = TrainJob.load(args.job)
     spec = job.training
     accelerator = Accelerator()
     set_seed(spec.seed)

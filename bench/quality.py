@@ -33,7 +33,7 @@ from safetensors.torch import load_model
 
 from bench.baseline import make_datasets
 from tasks.launcher import launch_command, launch_env
-from tasks.train import run_training, write_job
+from tasks.train import run_training
 from training.config import DatasetSpec, SplitSpec
 from training.data.images import load_resized
 from training.data.sources import prepare
@@ -147,7 +147,7 @@ def score_baseline(job: TrainJob, weights: Path, images: list[tuple[Path, int]])
 def run_baseline(job: TrainJob) -> Path:
     job.output_dir.mkdir(parents=True, exist_ok=True)
     command = launch_command(job.training, "bench.baseline",
-                             ["--job", str(write_job(job)), "--recipe", "tutorial"])
+                             ["--job", str(job.save()), "--recipe", "tutorial"])
     done = subprocess.run(command, env=launch_env(), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])

@@ -32,7 +32,6 @@ import psutil
 
 from bench.make_photos import make as make_photos
 from tasks.launcher import launch_command, launch_env
-from tasks.train import write_job
 from training.config import DatasetSpec, SplitSpec
 from training.data.sources import prepare
 from training.data.split import split_dataset
@@ -67,7 +66,7 @@ def launch(kind: str, job: TrainJob, processes: int, folder: Path, cold: bool = 
         shutil.rmtree(job.manifest.parent / "cache", ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     module, extra = IMPLS[kind]
-    command = launch_command(spec, module, ["--job", str(write_job(job)), *extra])
+    command = launch_command(spec, module, ["--job", str(job.save()), *extra])
     started = time.time()
     proc = subprocess.Popen(command, env=launch_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

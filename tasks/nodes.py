@@ -180,7 +180,7 @@ def read_job(job_file: Path, machine_rank: int) -> TrainJob:
         raise FileNotFoundError(
             f"{where} cannot see the job file {job_file}: every machine must mount the run "
             "folder (TRAINFLOW_HOME) at the same path; see README 'Beyond one machine'")
-    job = TrainJob.model_validate_json(job_file.read_text())
+    job = TrainJob.load(job_file)
     for needed in (job.split.manifest, job.split.root):
         if not Path(needed).exists():
             raise FileNotFoundError(f"{where} cannot see {needed}: the dataset and its "

@@ -23,15 +23,8 @@ from training.engine.events import (
     last_from_rank_0,
 )
 from training.handoff import Preprocessing, SplitResult, TrainJob, TrainResult
-from training.storage import write_text_atomic
 
 SYSTEM_METRICS_INTERVAL_S = 2
-
-
-def write_job(job: TrainJob) -> Path:
-    path = job.output_dir / "job.json"
-    write_text_atomic(path, job.model_dump_json(indent=2))
-    return path
 
 
 def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda event: None,
@@ -46,7 +39,7 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
     """
     tracker = EpochLogger(mlflow_run_id, tracking_uri, on_error=lambda message: logger.warning(
         "MLflow logging failed (training went on): %s", message))
-    job_file = write_job(job)
+    job_file = job.save()
     args = ["--job", str(job_file)] + (["--resume"] if resume else [])
     if evaluate_into is not None:
         args += ["--evaluate-into", str(evaluate_into)]

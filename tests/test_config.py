@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
-from training.handoff import SplitResult, TrainJob
+from training.handoff import JobFileError, SplitResult, TrainJob
 
 
 def test_defaults_need_only_the_source():
@@ -78,8 +78,13 @@ def test_job_file_round_trip(tmp_path):
                         class_names=["a"], channels=3, root=tmp_path)
     job = TrainJob(split=split, output_dir=tmp_path / "out",
                    training={"epochs": 3, "num_processes": 2})
-    again = TrainJob.model_validate_json(job.model_dump_json())
+    path = job.save()
+    assert path == tmp_path / "out" / "job.json"
+    again = TrainJob.load(path)
     assert again == job and again.training.epochs == 3
+    path.write_text('{"split": 3}')
+    with pytest.raises(JobFileError, match=f"job file {path} is not a valid training job"):
+        TrainJob.load(path)
 
 
 def test_auto_processes_on_a_cpu_machine(monkeypatch):

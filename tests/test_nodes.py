@@ -7,7 +7,6 @@ import shutil
 import pytest
 
 from tasks.nodes import read_job
-from tasks.train import write_job
 from training.handoff import TrainJob
 
 
@@ -19,8 +18,8 @@ def test_a_machine_without_the_shared_folder_names_what_it_cannot_see(digits_spl
     copy = tmp_path / "split"
     shutil.copytree(split.manifest.parent, copy)
     moved = split.model_copy(update={"manifest": copy / "manifest.csv"})
-    job_file = write_job(TrainJob(split=moved, training={"num_machines": 2},
-                                  output_dir=tmp_path / "run"))
+    job_file = TrainJob(split=moved, training={"num_machines": 2},
+                        output_dir=tmp_path / "run").save()
     assert read_job(job_file, machine_rank=1).training.num_machines == 2
     (copy / "manifest.csv").unlink()
     with pytest.raises(FileNotFoundError, match=f"cannot see {copy / 'manifest.csv'}"):

@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tasks.launcher import LaunchFailed, LaunchHung, launch_command, launch_env
-from tasks.train import run_training, write_job
+from tasks.train import run_training
 from training.engine.checkpoint import STATE_FILE
 from training.engine.progress import ProgressReader
 from training.handoff import TrainJob
@@ -97,7 +97,7 @@ def test_each_rank_draws_its_own_augmentation_while_the_shards_stay_disjoint(dig
     training image in exactly one rank's shard) and the random draws differ by rank, the same
     on every run."""
     job = _job(digits_split, tmp_path, augment="crop_flip")
-    spec, job_file = job.training, write_job(job)
+    spec, job_file = job.training, job.save()
     seen = []
     for attempt in ("first", "again"):
         out = tmp_path / attempt
@@ -234,10 +234,9 @@ def test_two_machines_on_loopback_train_one_job(digits_split, tmp_path):
 def _bare_launch(job, *options, env=None):
     """A launch with no task around it (machine rank 1 alone, or training without Prefect)."""
     from tasks.launcher import LaunchWatch, launch_command, launch_env, run_launch
-    from tasks.train import write_job
 
     command = launch_command(job.training, "training.train",
-                             ["--job", str(write_job(job)), *options])
+                             ["--job", str(job.save()), *options])
     return run_launch(command, launch_env(env), job.output_dir, LaunchWatch(hang_timeout_s=120))
 
 

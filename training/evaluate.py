@@ -24,7 +24,7 @@ from training.data.cache import CachedImages, Normalize, decode_split, split_sid
 from training.engine.events import Evaluated, Heartbeat
 from training.engine.progress import ProgressWriter, Rank, start_rank
 from training.evaluation.metrics import compute_metrics, predictions_csv
-from training.handoff import TrainJob
+from training.handoff import JobFileError, TrainJob
 from training.models.build import load_trained, preprocessing_for
 from training.processes import die_with_parent
 from training.storage import write_json_atomic, write_text_atomic
@@ -104,10 +104,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weights", type=Path, help="default: best.safetensors of the job")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    from training.train import load_job
 
     die_with_parent()
-    job = load_job(args.job)
+    try:
+        job = TrainJob.load(args.job)
+    except JobFileError as e:
+        raise SystemExit(str(e)) from None
     accelerator = Accelerator()
     rank, progress = start_rank(accelerator, args.out)
     with progress.reporting_errors():

@@ -9,6 +9,7 @@ reads: it carries the split's summary, so the ranks read nothing else to know th
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,6 +46,10 @@ class Preprocessing(Spec):
     scale: str = "1/255"
 
 
+class JobFileError(ValueError):
+    """A job file that is missing, or is not a training job."""
+
+
 class TrainJob(Spec):
     """What one training launch does: the data (from the split stage), the spec, the folder."""
 
@@ -55,6 +60,30 @@ class TrainJob(Spec):
     @property
     def manifest(self) -> Path:
         return self.split.manifest
+
+    def save(self) -> Path:
+        """The job file the ranks read, `output_dir/job.json`, written atomically."""
+        from training.storage import write_text_atomic
+
+        path = self.output_dir / "job.json"
+        write_text_atomic(path, self.model_dump_json(indent=2))
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> TrainJob:
+        """A job file, or JobFileError naming the file and what is wrong with it. A
+        hand-written job may name the split by its manifest instead of holding it."""
+        try:
+            data = json.loads(Path(path).read_text())
+            if isinstance(data, dict) and "manifest" in data and "split" not in data:
+                summary = Path(data.pop("manifest")).parent / "summary.json"
+                data["split"] = SplitResult.model_validate_json(summary.read_text())
+            return cls.model_validate(data)
+        except FileNotFoundError as e:
+            raise JobFileError(f"job file {path} or the split it names does not exist: {e}"
+                               ) from None
+        except ValueError as e:
+            raise JobFileError(f"job file {path} is not a valid training job: {e}") from None
 
 
 class TrainResult(BaseModel):

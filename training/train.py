@@ -21,7 +21,6 @@ not a rank, logs to MLflow (from the events), so ranks never import MLflow.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -51,7 +50,7 @@ from training.engine.faults import delay_decode
 from training.engine.loop import Learner, train_one_epoch, validate
 from training.engine.progress import ProgressWriter, Rank, start_rank, task_reports
 from training.engine.schedule import EarlyStopping, continue_after, make_optimizer, make_scheduler
-from training.handoff import SplitResult, TrainJob
+from training.handoff import JobFileError, TrainJob
 from training.models.build import load_trained, model_for, preprocessing_for
 from training.processes import die_with_parent
 from training.storage import write_json_atomic
@@ -200,19 +199,6 @@ def finish(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progre
     return result
 
 
-def load_job(path: Path) -> TrainJob:
-    try:
-        data = json.loads(Path(path).read_text())
-        if isinstance(data, dict) and "manifest" in data and "split" not in data:
-            summary = Path(data.pop("manifest")).parent / "summary.json"
-            data["split"] = SplitResult.model_validate_json(summary.read_text())
-        return TrainJob.model_validate(data)
-    except FileNotFoundError as e:
-        raise SystemExit(f"job file {path} or the split it names does not exist: {e}") from None
-    except ValueError as e:
-        raise SystemExit(f"job file {path} is not a valid training job: {e}") from None
-
-
 COLLECTIVE_TIMEOUT = "TRAINFLOW_COLLECTIVE_TIMEOUT_S"
 """How long a rank waits in one collective before failing (torch's default otherwise: 10 min
 with NCCL, 30 with gloo). The hang watchdog (hang_timeout_s) stops a stuck run before either."""
@@ -244,7 +230,10 @@ def main(argv: list[str] | None = None) -> None:
                         "named by MLFLOW_RUN_ID, else a new one); train-flow does not need it")
     args = parser.parse_args(argv)
     die_with_parent()
-    job = load_job(args.job)
+    try:
+        job = TrainJob.load(args.job)
+    except JobFileError as e:
+        raise SystemExit(str(e)) from None
     accelerator = make_accelerator(job, args.log_with)
     rank, progress = start_rank(accelerator, job.output_dir)  # passed everywhere
     with progress.reporting_errors():

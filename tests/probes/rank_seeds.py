@@ -14,11 +14,12 @@ import torch
 from accelerate.utils import set_seed
 
 from training.engine.progress import start_rank
-from training.train import load_job, make_accelerator, make_loaders, prepare_then_seed_per_rank
+from training.handoff import TrainJob
+from training.train import make_accelerator, make_loaders, prepare_then_seed_per_rank
 
 
 def main() -> None:
-    job, out = load_job(Path(sys.argv[1])), Path(sys.argv[2])
+    job, out = TrainJob.load(Path(sys.argv[1])), Path(sys.argv[2])
     accelerator = make_accelerator(job)
     rank, progress = start_rank(accelerator, job.output_dir)
     set_seed(job.training.seed)  # as train() begins
