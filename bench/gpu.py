@@ -4,7 +4,9 @@
     .venv/bin/python -m bench.gpu --cpu       # reduced: small images and batches, no CUDA
 
 1. The input pipeline alone, per rank: our CachedImages crop_flip through a DataLoader, at
-   224 px (CPU: 64 px), loader_workers 0/2/4/8 (CPU: 0/1), images/s.
+   224 px (CPU: 64 px), loader_workers 0/2/4/8 (CPU: 0/1), images/s; against it, the other
+   way: uint8 batches copied to the device as they are, crop+flip there for the whole batch
+   (one affine grid per image). The faster one is what training should use on GPUs.
 2. The step alone, batch already on the device: resnet18 forward+backward+SGD for fp32/bf16 x
    channels_last x cudnn.benchmark at batch 64/128/256 (CPU: fp32, batch 16, 64 px), timed
    with CUDA events (CPU: perf_counter), images/s.
@@ -53,6 +55,42 @@ def loader_rate(side: int, workers: int, batches: int, batch: int) -> float:
                         persistent_workers=workers > 0)
     started = time.perf_counter()
     seen = sum(len(labels) for _, labels in loader)
+    return seen / (time.perf_counter() - started)
+
+
+def crop_flip_on_device(batch: torch.Tensor, side: int) -> torch.Tensor:
+    """uint8 [N, C, H, W] on the device -> float [N, C, side, side]: per image a random square
+    crop of CROP_SCALE of its area and a coin-flip mirror, as CachedImages does per sample."""
+    import torch.nn.functional as F
+
+    from training.data.cache import CROP_SCALE
+
+    n, device = batch.shape[0], batch.device
+    scale = torch.empty(n, device=device).uniform_(*CROP_SCALE).sqrt()  # side of the crop
+    shift = (torch.rand(n, 2, device=device) * 2 - 1) * (1 - scale)[:, None]
+    mirror = torch.where(torch.rand(n, device=device) < 0.5, -1.0, 1.0)
+    theta = torch.zeros(n, 2, 3, device=device)
+    theta[:, 0, 0], theta[:, 1, 1] = scale * mirror, scale
+    theta[:, :, 2] = shift
+    grid = F.affine_grid(theta, [n, batch.shape[1], side, side], align_corners=False)
+    return F.grid_sample(batch.float(), grid, mode="bilinear", align_corners=False)
+
+
+def device_augment_rate(device: str, side: int, batches: int, batch: int) -> float:
+    """The same images and batches, cropped and flipped on the device after the copy."""
+    from torch.utils.data import DataLoader
+
+    from training.data.cache import CachedImages
+
+    data = CachedImages(Images(batch * batches, int(side * 1.15)), side, "none")
+    loader = DataLoader(data, batch_size=batch, shuffle=True, pin_memory=device == "cuda")
+    started, seen = time.perf_counter(), 0
+    for images, labels in loader:
+        out = crop_flip_on_device(images.to(device, non_blocking=True), side)
+        seen += len(labels)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert out.shape[-1] == side
     return seen / (time.perf_counter() - started)
 
 
@@ -157,6 +195,10 @@ def main() -> None:
     for w in workers:
         rate = statistics.median(loader_rate(side, w, 8, 32) for _ in range(args.repeats))
         out.append(f"| {side} px, loader_workers {w} | {rate:.0f} |")
+    rate = statistics.median(device_augment_rate(device, side, 8, 32)
+                             for _ in range(args.repeats))
+    out.append(f"| {side} px, loader_workers 0, crop+flip of the batch on the {device} | "
+               f"{rate:.0f} |")
 
     out += ["", "| step alone, resnet18 | batch | images/s |", "|---|---|---|"]
     for dtype in dtypes:

@@ -28,6 +28,7 @@ def test_the_gpu_benchmark_runs_in_its_cpu_mode():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     out = done.stdout
     assert "| 64 px, loader_workers 0 |" in out and "| 64 px, loader_workers 1 |" in out
+    assert "| 64 px, loader_workers 0, crop+flip of the batch on the cpu |" in out
     assert "| fp32, channels_last True, cudnn.benchmark False | 16 |" in out
     assert "| 2 process(es) | 2 |" in out  # the end-to-end row ran real 2-process DDP
     assert "compile smoke: 2 processes with compile: true ran to loadable weights" in out
