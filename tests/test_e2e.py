@@ -17,7 +17,7 @@ import pytest
 from mlflow import MlflowClient
 
 from commands import services
-from tasks.lineage import FLOW_RUN_ID, metric_tag
+from tasks.lineage import FLOW_RUN_ID, GIT_COMMIT, GIT_DIRTY, metric_tag
 from tasks.register import PROMOTION
 from training.engine.progress import ProgressReader
 from training.processes import alive, free_port
@@ -244,6 +244,41 @@ def run_with_param(stack: Stack, deployment: str, *params: str) -> str:
     done = subprocess.run(command, env=stack.env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     return re.search(r"UUID:\s*([0-9a-f-]{36})", done.stdout).group(1)
+
+
+def git(*args, cwd: Path | None = None) -> str:
+    done = subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@localhost",
+                           *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_a_worker_runs_the_code_it_clones_from_git_not_a_checkout(stack, tmp_path):
+    """deploy/git/prefect.yaml: the worker (whose folder holds no checkout) clones the branch
+    named at deploy time and runs that commit, which this checkout does not have."""
+    origin, work = tmp_path / "origin.git", tmp_path / "work"
+    git("clone", "--quiet", "--bare", REPO, origin)
+    git("clone", "--quiet", origin, work)
+    git("checkout", "--quiet", "-b", "worker-test", cwd=work)
+    (work / "CLONED.md").write_text("a commit only the repository has\n")
+    git("add", "CLONED.md", cwd=work)
+    git("commit", "--quiet", "-m", "a commit the worker must run", cwd=work)
+    git("push", "--quiet", "origin", "worker-test", cwd=work)
+    commit = git("rev-parse", "HEAD", cwd=work)
+    env = {**stack.env, "TRAINFLOW_GIT_REPOSITORY": origin.as_uri(),
+           "TRAINFLOW_GIT_BRANCH": "worker-test"}
+    done = subprocess.run([PREFECT, "--no-prompt", "deploy", "--prefect-file",
+                           "deploy/git/prefect.yaml", "--name", "digits-from-git", "--pool",
+                           "e2e-pool"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    flow_run_id = run_with_param(stack, "train-flow/digits-from-git",
+                                 f"training={json.dumps(SMALL)}")
+    run = wait_final(stack, flow_run_id)
+    assert run.state.is_completed(), run.state.message
+    tags = mlflow_run_of(stack, flow_run_id).data.tags
+    assert tags[GIT_COMMIT] == commit and tags[GIT_DIRTY] == "false"
+    assert commit != git("rev-parse", "HEAD", cwd=REPO)
 
 
 def test_a_run_that_sets_one_field_keeps_the_deployments_other_fields(stack):

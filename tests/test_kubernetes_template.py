@@ -40,3 +40,4 @@ def test_a_node_job_requests_gpus_and_mounts_the_shared_home(prefect_engine):
 def test_defaults_render_a_one_gpu_job(prefect_engine):
     [container] = _render({})["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["image"] == "trainflow-worker:latest"  # deploy/docker/Dockerfile's
