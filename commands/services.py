@@ -23,6 +23,10 @@ from training.storage import home
 
 BIN = Path(sys.executable).parent
 POOL = "train-pool"
+POOL_LIMIT = 2
+"""Flow runs the local pool runs at once: each training takes every core of a machine, so a
+few queued runs must wait rather than all start together (prefect.yaml sets each deployment's
+own limit below this)."""
 
 
 def _start(name: str, command: list[str], folder: Path, env: dict[str, str]) -> None:
@@ -80,6 +84,8 @@ def start(folder: Path, prefect_port: int, mlflow_port: int, pool: str = POOL,
     wait_http(f"{mlflow_url}/health")
     subprocess.run([str(BIN / "prefect"), "work-pool", "create", pool, "--type", "process",
                     "--overwrite"], env=env, check=True, capture_output=True)
+    subprocess.run([str(BIN / "prefect"), "work-pool", "set-concurrency-limit", pool,
+                    str(POOL_LIMIT)], env=env, check=True, capture_output=True)
     _start("worker", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type",
                       "process"], folder, env)
     print(f"\nPrefect UI  http://127.0.0.1:{prefect_port}\nMLflow UI   {mlflow_url}\n"

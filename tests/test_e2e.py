@@ -170,6 +170,11 @@ def test_two_flow_runs_at_once_register_both_and_keep_the_better(stack):
     good = run_deployment(stack, {"training": {**SMALL, "lr": 1e-4}, "registry": registry})
     better = run_deployment(stack, {"training": {**SMALL, "epochs": 3, "lr": 2e-3},
                                     "registry": registry})
+    # prefect.yaml's limit for the deployment and the services' limit for the pool: two at once
+    with prefect_client(stack) as client:
+        assert client.read_deployment_by_name(
+            "train-flow/digits").global_concurrency_limit.limit == 2
+        assert client.read_work_pool("e2e-pool").concurrency_limit == services.POOL_LIMIT == 2
     assert wait_final(stack, good).state.is_completed()
     assert wait_final(stack, better).state.is_completed()
     versions = stack.mlflow.search_model_versions("name='concurrent-digits'")
