@@ -213,9 +213,10 @@ class TrainingSpec(Spec):
     )
     lr_schedule: Literal["constant", "cosine", "onecycle", "step"] = Field(
         "onecycle",
-        description="Per-step learning rate after warm-up: constant; cosine (down to 0 at the "
-        "end); onecycle (warm-up over 30% of training unless warmup_epochs says otherwise, "
-        "then cosine down to 0); step (x0.1 after each third of training).",
+        description="Per-step learning rate, from torch's schedulers: onecycle (OneCycleLR: up "
+        "from 10% of lr over 30% of training, or warmup_epochs, then down to about 0); "
+        "constant; cosine (CosineAnnealingLR, down to 0 at the end); step (x0.1 after each "
+        "third of training); the last three after a LinearLR warm-up when warmup_epochs > 0.",
     )
     warmup_epochs: float = Field(
         0.0, ge=0, description="Linear warm-up from 10% of lr over this many epochs (0: none)."

@@ -25,7 +25,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -69,18 +68,19 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
     # Compiled after prepare(), so that DDP wraps the original module (gradient all-reduce
     # overlaps backward) and the checkpoints, which hold the prepared module, stay plain.
     stepping = torch.compile(model) if spec.compile else model
-    scheduler = make_scheduler(spec, optimizer, optimizer_steps(train_loader, spec))
-    accelerator.register_for_checkpointing(scheduler)  # before any load_state
+    steps = optimizer_steps(train_loader, spec)
+    scheduler = make_scheduler(spec, optimizer, steps)
+    stopper = EarlyStopping(spec.early_stopping_patience, spec.early_stopping_min_delta)
+    accelerator.register_for_checkpointing(scheduler, stopper)  # before any load_state
     pre = preprocessing_for(job)
     learner = Learner(accelerator, stepping, optimizer, scheduler,
                       Normalize(pre.mean, pre.std).to(accelerator.device), spec, rank, progress)
     checkpoints = Checkpointer(accelerator, rank, job, model)
     state = (checkpoints.resume() if resume else None) or TrainerState()
     if state.epoch:
-        continue_after(scheduler, state.epoch, optimizer_steps(train_loader, spec))
+        continue_after(scheduler, lambda: make_scheduler(spec, optimizer, steps), state.epoch,
+                       steps)
         progress.emit(Resumed, checkpoint=str(checkpoints.latest()), epoch=state.epoch)
-    stopper = EarlyStopping(spec.early_stopping_patience, spec.early_stopping_min_delta,
-                            **state.early_stopping)
     report_params(job, accelerator, rank, progress, train_loader, val_loader)
 
     last = state.epoch if stopper.stopped else spec.epochs  # a resumed early stop stays stopped
@@ -96,8 +96,6 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
                     "optimizer_steps": scheduler.last_epoch}  # the scheduler counts them
         is_best = state.record(epoch, metrics)
         stop = stopper.should_stop(metrics["val_accuracy"])
-        state.early_stopping = {k: v for k, v in asdict(stopper).items()
-                                if k in ("best", "waited", "stopped")}
         checkpoint = checkpoints.save(epoch, state, is_best)
         accelerator.log(metrics, step=epoch)
         progress.emit(EpochEnded, epoch=epoch, epochs=spec.epochs, metrics=metrics,

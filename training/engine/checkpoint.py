@@ -39,7 +39,6 @@ class TrainerState:
     epoch: int = 0
     best: dict | None = None
     history: list[dict] = field(default_factory=list)
-    early_stopping: dict = field(default_factory=dict)
 
     def record(self, epoch: int, metrics: dict) -> bool:
         """Add an epoch's metrics; True when it is the best so far."""

@@ -1,23 +1,33 @@
 """The recipe around the loop: optimizer with parameter groups, learning-rate schedule, early stop.
 
-The scheduler steps once per optimizer step (not per batch: with gradient accumulation those
-differ) and is registered with Accelerate, so `save_state`/`load_state` carry its position and
-a resumed run continues the same curve.
+The schedules are torch's own, stepped once per optimizer step (not per batch: with gradient
+accumulation those differ). The scheduler and the early-stopping counter are registered with
+Accelerate, so `save_state`/`load_state` carry them and a resumed run goes on where it was.
 """
 
 from __future__ import annotations
 
-import math
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import (
+    ConstantLR,
+    CosineAnnealingLR,
+    LinearLR,
+    LRScheduler,
+    MultiStepLR,
+    OneCycleLR,
+    SequentialLR,
+)
 
 from training.config import TrainingSpec
 from training.models.build import head_of
 
 WARMUP_START = 0.1  # warm-up begins at 10% of lr, so the first steps already learn
-ONECYCLE_WARMUP = 0.3  # onecycle's rise when warmup_epochs is not given (torch's pct_start)
+ONECYCLE_RISE = 0.3  # onecycle's rise when warmup_epochs is not given (torch's pct_start)
 
 
 def make_optimizer(spec: TrainingSpec, model: nn.Module) -> torch.optim.Optimizer:
@@ -38,49 +48,62 @@ def make_optimizer(spec: TrainingSpec, model: nn.Module) -> torch.optim.Optimize
     return torch.optim.Adam(groups, lr=spec.lr, weight_decay=spec.weight_decay)
 
 
-def lr_factor(spec: TrainingSpec, step: int, total: int, per_epoch: int) -> float:
-    """The multiplier of each group's base learning rate at optimizer step `step` of `total`."""
-    warmup = round(spec.warmup_epochs * per_epoch)
-    if spec.lr_schedule == "onecycle" and not warmup:
-        warmup = round(ONECYCLE_WARMUP * total)
-    if step < warmup:
-        return WARMUP_START + (1 - WARMUP_START) * step / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    if spec.lr_schedule in ("cosine", "onecycle"):
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    if spec.lr_schedule == "step":
-        return 0.1 ** min(2, int(progress * 3))
-    return 1.0
-
-
 def make_scheduler(spec: TrainingSpec, optimizer: torch.optim.Optimizer,
-                   steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+                   steps_per_epoch: int) -> LRScheduler:
+    """torch's schedulers, stepped once per optimizer step: onecycle is `OneCycleLR` (its rise
+    over warmup_epochs, else 30% of the steps); the others are a `LinearLR` warm-up from 10% of
+    lr (when warmup_epochs is given) followed, through `SequentialLR`, by `ConstantLR`,
+    `CosineAnnealingLR` (down to 0 at the end) or `MultiStepLR` (x0.1 after each third)."""
     total = steps_per_epoch * spec.epochs
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(spec, step, total, steps_per_epoch))
+    warmup = min(round(spec.warmup_epochs * steps_per_epoch), total - 1)
+    if spec.lr_schedule == "onecycle":
+        # A schedule made again on the same optimizer (continue_after) finds the peak where
+        # the first one left it: "lr" has moved since.
+        return OneCycleLR(optimizer, max_lr=[g.get("max_lr", g["lr"]) for g in
+                                             optimizer.param_groups],
+                          total_steps=total, pct_start=warmup / total if warmup else ONECYCLE_RISE,
+                          div_factor=1 / WARMUP_START, final_div_factor=1e4)
+    rest = total - warmup
+    if spec.lr_schedule == "cosine":
+        after = CosineAnnealingLR(optimizer, T_max=max(1, rest), eta_min=0.0)
+    elif spec.lr_schedule == "step":
+        third = max(1, rest // 3)
+        after = MultiStepLR(optimizer, milestones=[third, 2 * third], gamma=0.1)
+    else:
+        after = ConstantLR(optimizer, factor=1.0, total_iters=0)
+    if not warmup:
+        return after
+    rise = LinearLR(optimizer, start_factor=WARMUP_START, end_factor=1.0, total_iters=warmup)
+    return SequentialLR(optimizer, [rise, after], milestones=[warmup])
 
 
-def continue_after(scheduler: torch.optim.lr_scheduler.LRScheduler, epochs_done: int,
+def continue_after(scheduler: LRScheduler, fresh: Callable[[], LRScheduler], epochs_done: int,
                    steps_per_epoch: int) -> None:
     """Put a resumed schedule where `epochs_done` whole epochs of *this* run's steps end.
 
-    The saved state counts optimizer steps of the run that saved it; on another world size an
-    epoch has another number of steps, and the old count would put the curve in the wrong place
-    (with more processes, cosine reached 0 early and stayed there). Checkpoints are taken at
-    epoch ends, so counting in epochs continues the uninterrupted run's curve exactly.
+    The state Accelerate restored counts optimizer steps of the run that saved it; on another
+    world size an epoch has another number of steps, and that count would put the curve in the
+    wrong place (with more processes, cosine reached 0 early and stayed there). Checkpoints are
+    taken at epoch ends, so a schedule made afresh and stepped through that many epochs of this
+    run's steps is exactly where the uninterrupted run's curve is.
     """
-    import warnings
-
-    scheduler.last_epoch = epochs_done * steps_per_epoch - 1
+    target = epochs_done * steps_per_epoch
+    if scheduler.last_epoch == target:
+        return  # the same world size: the restored state is already there
+    replay = fresh()
     with warnings.catch_warnings():  # "step() before optimizer.step()": deliberate here
         warnings.simplefilter("ignore", UserWarning)
-        scheduler.step()
+        for _ in range(target):
+            replay.step()
+    scheduler.load_state_dict(replay.state_dict())
 
 
 @dataclass
 class EarlyStopping:
     """Counts epochs without a validation accuracy gain; every rank sees the same gathered
-    metrics, so every rank decides the same and they stop together."""
+    metrics, so every rank decides the same and they stop together. Registered with Accelerate
+    (state_dict/load_state_dict), so a resumed run keeps counting, and a stopped one stays
+    stopped."""
 
     patience: int | None
     min_delta: float
@@ -95,3 +118,9 @@ class EarlyStopping:
         self.waited += 1
         self.stopped = self.patience is not None and self.waited >= self.patience
         return self.stopped
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "waited": self.waited, "stopped": self.stopped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.waited, self.stopped = state["best"], state["waited"], state["stopped"]
