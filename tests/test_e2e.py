@@ -278,7 +278,8 @@ def test_a_worker_runs_the_code_it_clones_from_git_not_a_checkout(stack, tmp_pat
                           timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     flow_run_id = run_with_param(stack, "train-flow/digits-from-git",
-                                 f"training={json.dumps(SMALL)}")
+                                 f"training={json.dumps(SMALL)}",
+                                 'registry={"model_name": "digits-from-git"}')
     run = wait_final(stack, flow_run_id)
     assert run.state.is_completed(), run.state.message
     tags = mlflow_run_of(stack, flow_run_id).data.tags
