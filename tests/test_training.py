@@ -79,8 +79,8 @@ def test_a_decode_longer_than_the_collective_timeout_does_not_fail_the_run(digit
     """The ranks decode before their first collective: one decodes under the store's lock while
     the other waits on the lock, so a decode longer than a collective may wait is harmless."""
     job = _job(digits_split, tmp_path, epochs=1, image_size=13)  # a side no other test decodes
-    result = run_training(job, LOG, extra_env={"TRAINFLOW_FAULT": "slow_decode:seconds=10",
-                                               "TRAINFLOW_COLLECTIVE_TIMEOUT_S": "5"})
+    result = run_training(job, LOG, extra_env={"TRAINFLOW_FAULT": "slow_decode:seconds=16",
+                                               "TRAINFLOW_COLLECTIVE_TIMEOUT_S": "8"})
     assert result.world_size == 2 and len(result.history) == 1
     events = ProgressReader(job.output_dir).poll()
     decoders: dict[str, set[int]] = {}
