@@ -34,8 +34,8 @@ from safetensors.torch import load_model
 from bench.baseline import make_datasets
 from tasks.launcher import launch_command, launch_env
 from tasks.train import run_training
+from trainflow_serving.images import load_resized
 from training.config import DatasetSpec, SplitSpec
-from training.data.images import load_resized
 from training.data.sources import prepare
 from training.data.split import split_dataset
 from training.handoff import TrainJob

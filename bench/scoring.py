@@ -27,8 +27,8 @@ import torch
 from bench.make_photos import make as make_photos
 from tasks.launcher import launch
 from tasks.train import run_training
+from trainflow_serving.images import load_resized
 from training.config import DatasetSpec, SplitSpec, TrainingSpec
-from training.data.images import load_resized
 from training.data.sources import prepare
 from training.data.split import split_dataset
 from training.handoff import TrainJob, TrainResult

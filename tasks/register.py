@@ -18,19 +18,20 @@ from prefect import task
 from prefect.input import RunInput
 from pydantic import BaseModel, Field
 
+import trainflow_serving
 from tasks import run_logger
 from tasks.evaluate import Evaluation
 from tasks.gate import SameImages, champion_class_names, one_decision_at_a_time, score_champion
 from tasks.lineage import CHALLENGER, CHAMPION, FLOW_RUN_ID, champion_version, metric_tag
+from trainflow_serving import DESCRIPTION_ARTIFACT, WEIGHTS_ARTIFACT
 from training.config import RegistrySpec
 from training.data.split import read_manifest
 from training.handoff import TrainResult
-from training.models.build import DESCRIPTION_ARTIFACT, WEIGHTS_ARTIFACT
 from training.storage import tracking_uri
 
-SERVING_PACKAGES = ("safetensors", "pillow", "numpy", "pandas", "pydantic")
-TRAINING_DIR = Path(__file__).resolve().parents[1] / "training"
-SERVED_MODEL = TRAINING_DIR / "models" / "image_classifier.py"
+SERVING_PACKAGES = ("safetensors", "pillow", "numpy", "pandas")
+SERVING_DIR = Path(trainflow_serving.__file__).parent
+SERVED_MODEL = SERVING_DIR / "pyfunc_model.py"
 METRIC = "trainflow.metric"
 PREDICTIONS_RUN_ID = "trainflow.predictions_run_id"
 PROMOTION = "trainflow.promotion"
@@ -83,10 +84,11 @@ class Registration(BaseModel):
 
 
 def log_model(trained: TrainResult, run_id: str) -> str:
-    """Log the model from code (training/models/image_classifier.py), nothing of ours pickled.
+    """Log the model from code (trainflow_serving/pyfunc_model.py), nothing of ours pickled.
 
-    Weights go as a safetensors artifact, the model's description as JSON, and training/ as
-    code, so the served model decodes and resizes with training's own function.
+    Weights go as a safetensors artifact, the model's description as JSON, and the
+    trainflow_serving package as its only code, so the served model decodes, resizes and
+    normalises with training's own functions.
     """
     import pandas as pd
     import torchvision
@@ -109,7 +111,7 @@ def log_model(trained: TrainResult, run_id: str) -> str:
         description_file = Path(tmp) / "description.json"
         description_file.write_text(json.dumps(description, indent=2))
         model_info = mlflow.pyfunc.log_model(
-            name="model", python_model=str(SERVED_MODEL), code_paths=[str(TRAINING_DIR)],
+            name="model", python_model=str(SERVED_MODEL), code_paths=[str(SERVING_DIR)],
             artifacts={WEIGHTS_ARTIFACT: str(trained.weights),
                        DESCRIPTION_ARTIFACT: str(description_file)},
             signature=signature, metadata=description,

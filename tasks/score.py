@@ -18,8 +18,8 @@ from tasks import run_logger
 from tasks.data import credentials_from_secret_block
 from tasks.launcher import launch
 from tasks.tracking import experiment_id, experiment_name
+from trainflow_serving.images import IMAGE_EXTENSIONS
 from training.config import DatasetSpec, TrainingSpec
-from training.data.images import IMAGE_EXTENSIONS
 from training.data.kaggle import download
 from training.data.sources import check_source, source_root, write_digits
 from training.engine.events import ScoringFinished, last_from_rank_0

@@ -10,10 +10,10 @@ import pytest
 from PIL import Image
 
 from tests.imagegen import photo, write_filename_layout
+from trainflow_serving.images import load_resized
 from training.config import DatasetSpec, SplitSpec
 from training.data import decode_pass
 from training.data.cache import decode_split
-from training.data.images import load_resized
 from training.data.sources import prepare
 from training.data.split import read_manifest, split_dataset
 

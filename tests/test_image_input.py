@@ -7,8 +7,9 @@ import io
 import numpy as np
 from PIL import Image
 
-from training.data.images import ORIENTATION, decode_image, load_resized
-from training.models.image_classifier import decode_image as served_decode
+from trainflow_serving.images import ORIENTATION, load_resized
+from trainflow_serving.images import load_resized_bytes as served_decode
+from training.data.images import decode_image
 
 
 def _photo() -> Image.Image:
@@ -48,7 +49,7 @@ def test_the_served_model_picks_its_device(monkeypatch):
     and what TRAINFLOW_SERVE_DEVICE says above both."""
     import torch
 
-    from training.models.image_classifier import serving_device
+    from trainflow_serving.pyfunc_model import serving_device
 
     monkeypatch.delenv("TRAINFLOW_SERVE_DEVICE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

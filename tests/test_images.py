@@ -43,7 +43,7 @@ def test_the_image_holds_code_only():
             *sources, _ = shlex.split(arg)
             copied.update(sources)
     assert copied == {"requirements.lock", "pyproject.toml", "prefect.yaml", "training", "tasks",
-                      "flows", "commands"}
+                      "flows", "commands", "trainflow_serving"}
     ignore = [line for line in (REPO / ".dockerignore").read_text().splitlines()
               if line and not line.startswith("#")]
     assert ignore[0] == "*"  # everything else of the build context stays out

@@ -87,6 +87,10 @@ model = mlflow.pyfunc.load_model(sys.argv[2])
 request = json.loads(sys.stdin.read())
 images = [base64.b64decode(b) for b in request["bytes"]] + request["base64"] + ["bm90IGFuIGltYWdl"]
 out = model.predict(pd.DataFrame({"image": images}))
+# Only the serving package came with the model: nothing named like the project's packages.
+import importlib.util
+leaked = [n for n in ("training", "tasks", "flows", "commands") if importlib.util.find_spec(n)]
+print(json.dumps({"leaked": leaked, "serving": sys.modules["trainflow_serving"].__file__}))
 print(out.to_json(orient="records"))
 """
 
@@ -106,7 +110,10 @@ def test_the_champion_loads_and_predicts_where_the_project_is_absent(registered,
                           env={"MLFLOW_TRACKING_URI": registered["uri"], "PATH": "/usr/bin:/bin",
                                "HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    *_, loaded, predicted = done.stdout.strip().splitlines()
+    loaded, out = json.loads(loaded), json.loads(predicted)
+    assert loaded["leaked"] == []
+    assert "/code/trainflow_serving/" in loaded["serving"]  # the model's copy, not a checkout
     assert [r["label"] for r in out[:6]] == [registered["predicted"][p] for p, _ in rows]
     classes = [str(d) for d in range(10)]
     for r in out[:6]:

@@ -20,7 +20,8 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
 
-from training.data.cache import CachedImages, Normalize, decode_split, split_sides
+from trainflow_serving.networks import Normalize
+from training.data.cache import CachedImages, decode_split, split_sides
 from training.engine.events import Evaluated, Heartbeat
 from training.engine.progress import ProgressWriter, Rank, start_rank
 from training.evaluation.metrics import compute_metrics, predictions_csv

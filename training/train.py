@@ -33,8 +33,9 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 
+from trainflow_serving.networks import Normalize
 from training.config import TrainingSpec
-from training.data.cache import CachedImages, Normalize, decode_split, split_sides
+from training.data.cache import CachedImages, decode_split, split_sides
 from training.engine.checkpoint import Checkpointer, TrainerState, project_configuration
 from training.engine.events import (
     EarlyStopped,

@@ -100,14 +100,3 @@ class CachedImages(Dataset):
             image = self.transform(image)
         return image, int(self.labels[i])
 
-
-class Normalize(torch.nn.Module):
-    """uint8 batch -> normalised float batch, on whatever device the batch is on."""
-
-    def __init__(self, mean: list[float], std: list[float]):
-        super().__init__()
-        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1) * 255)
-        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1) * 255)
-
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        return (batch.float() - self.mean) / self.std

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from training.data.images import ImageRejected, decode_image
+from trainflow_serving.images import ImageRejected
+from training.data.images import decode_image
 
 IN_PROCESS_BELOW = 2000  # images: under this, starting processes costs more than it saves
 PROGRESS_EVERY = 500

@@ -1,23 +1,15 @@
-"""Decoding images once, fully, with limits: the only place that opens image files."""
+"""Checking and decoding training images; the decoding itself is the served model's own
+(trainflow_serving.images), so training sees every image exactly as serving will."""
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
-IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
-# 40 megapixels: far above any training photo, far below what exhausts memory when decoded.
-MAX_PIXELS = 40_000_000
-GRAYSCALE_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
-
-
-class ImageRejected(ValueError):
-    """The file cannot be used as a training image; the message says why."""
+from trainflow_serving.images import ImageRejected, open_image
 
 
 @dataclass(frozen=True)
@@ -26,56 +18,6 @@ class ImageCheck:
     ok: bool
     grayscale: bool = False
     reason: str = ""
-
-
-ORIENTATION = 0x0112  # the EXIF tag
-
-
-def open_image(path: Path | BinaryIO, channels: int | None,
-               draft: tuple[int, int] | None = None) -> Image.Image:
-    """Open and fully decode an image (a file, or encoded bytes in a file object), converted to
-    1 (L) or 3 (RGB) channels; `None`: 1 for a grayscale image, else 3.
-
-    `verify()` alone accepts truncated JPEGs that later crash a DataLoader mid-epoch, so
-    the pixels are always decoded here.
-    """
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as img:
-                width, height = img.size
-                if width * height > MAX_PIXELS:
-                    raise ImageRejected(
-                        f"{width}x{height} pixels is over the {MAX_PIXELS:,}-pixel limit "
-                        "(possible decompression bomb)"
-                    )
-                if channels is None:
-                    channels = 1 if _is_grayscale(img) else 3
-                if draft is not None:
-                    # JPEG only: decode at a reduced DCT scale no smaller than `draft`; far
-                    # cheaper than decoding full size and resizing.
-                    img.draft("L" if channels == 1 else "RGB", draft)
-                img.load()
-                # A camera's photo stored sideways with an orientation tag is shown upright by
-                # every viewer: train, evaluate and serve it upright too. Untagged: untouched.
-                if img.getexif().get(ORIENTATION, 1) != 1:
-                    img = ImageOps.exif_transpose(img)
-                return img.convert("L" if channels == 1 else "RGB")
-    except ImageRejected:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageRejected(f"refused by size: {e}") from e
-    except UnidentifiedImageError as e:
-        raise ImageRejected("not an image file") from e
-    except (OSError, SyntaxError, ValueError) as e:
-        reason = "empty file" if _is_empty(path) else f"cannot decode: {e}"
-        raise ImageRejected(reason) from e
-
-
-def _is_empty(source: Path | BinaryIO) -> bool:
-    if hasattr(source, "getbuffer"):
-        return source.getbuffer().nbytes == 0
-    return Path(source).stat().st_size == 0
 
 
 def check_image(root: Path, relpath: str) -> ImageCheck:
@@ -100,21 +42,3 @@ def decode_image(path: Path, side: int) -> tuple[np.ndarray, bool]:
     if img.mode == "L":
         return np.repeat(pixels[None], 3, axis=0), True
     return pixels.transpose(2, 0, 1), False
-
-
-def _is_grayscale(img: Image.Image) -> bool:
-    return img.mode in GRAYSCALE_MODES or (img.mode == "P" and _palette_is_gray(img))
-
-
-def _palette_is_gray(img: Image.Image) -> bool:
-    palette = img.getpalette() or []
-    triples = zip(palette[0::3], palette[1::3], palette[2::3], strict=False)
-    return all(r == g == b for r, g, b in triples)
-
-
-def load_resized(path: Path | BinaryIO, side: int, channels: int) -> np.ndarray:
-    """uint8 [C, side, side]: the one decode and resize used for training, evaluation and
-    serving (the registered model calls it on the bytes it is sent)."""
-    img = open_image(path, channels, draft=(side, side)).resize((side, side), Image.BILINEAR)
-    arr = np.asarray(img, dtype=np.uint8)
-    return arr[None] if channels == 1 else arr.transpose(2, 0, 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from training.data.images import IMAGE_EXTENSIONS
+from trainflow_serving.images import IMAGE_EXTENSIONS
 
 
 class DatasetError(ValueError):

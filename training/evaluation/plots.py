@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from training.data.images import open_image  # noqa: E402
+from trainflow_serving.images import open_image  # noqa: E402
 
 
 def training_curves_png(history: list[dict], path: Path) -> Path:

@@ -1,4 +1,5 @@
-"""Model construction: the classic MNIST BasicNet and any torchvision classifier by name."""
+"""Model construction for training: the architectures of trainflow_serving.networks, with
+pretrained weights and a new head when asked."""
 
 from __future__ import annotations
 
@@ -8,33 +9,11 @@ import torch
 from safetensors.torch import load_model
 from torch import nn
 
+from trainflow_serving.networks import build_network
 from training.handoff import Preprocessing, TrainJob
 
-# The registered model's artifacts, as register_model logs them and image_classifier.py reads them.
-WEIGHTS_ARTIFACT, DESCRIPTION_ARTIFACT = "weights", "description"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-class BasicNet(nn.Module):
-    """The PyTorch MNIST example network, sized from the image and class count."""
-
-    def __init__(self, num_classes: int, channels: int = 1, image_size: int = 28):
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(0.25)
-        self.dropout2 = nn.Dropout(0.5)
-        side = (image_size - 4) // 2
-        self.fc1 = nn.Linear(64 * side * side, 128)
-        self.fc2 = nn.Linear(128, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.conv1(x))
-        x = torch.relu(self.conv2(x))
-        x = self.dropout1(torch.max_pool2d(x, 2))
-        x = self.dropout2(torch.relu(self.fc1(torch.flatten(x, 1))))
-        return self.fc2(x)
 
 
 def input_channels(model_name: str, data_channels: int) -> int:
@@ -58,14 +37,12 @@ def pretrained_weights_file(model_name: str) -> Path:
 
 def build_model(model_name: str, num_classes: int, channels: int, image_size: int,
                 pretrained: bool = False) -> nn.Module:
+    if not pretrained:
+        return build_network(model_name, num_classes, channels, image_size)
     if model_name == "basicnet":
-        if pretrained:
-            raise ValueError("basicnet has no pretrained weights; set training.pretrained=false")
-        return BasicNet(num_classes, channels, image_size)
+        raise ValueError("basicnet has no pretrained weights; set training.pretrained=false")
     import torchvision
 
-    if not pretrained:
-        return torchvision.models.get_model(model_name, weights=None, num_classes=num_classes)
     expected = pretrained_weights_file(model_name)
     if not expected.is_file():
         # No download is attempted: training machines may have no internet, and a silent

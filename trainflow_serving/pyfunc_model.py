@@ -1,10 +1,10 @@
 """The registered model: encoded images in, class names and probabilities out.
 
 Logged with MLflow's "models from code" (this file is the model; nothing of ours is
-pickled), the weights as a safetensors artifact and the model's description as JSON, and
-`training/` as code, so that the served model decodes and resizes with the very function
-training used. Loading needs MLflow, torch, torchvision, safetensors and Pillow, not this
-project:
+pickled), the weights as a safetensors artifact and the model's description as JSON, and the
+`trainflow_serving` package as its only code, so that the served model decodes, resizes and
+normalises with the very functions training used. Loading needs MLflow, torch, torchvision,
+safetensors, Pillow and pandas, not this project:
 
     model = mlflow.pyfunc.load_model("models:/train-flow-model@champion")
     model.predict(pd.DataFrame({"image": [open("cat.1.jpg", "rb").read()]}))
@@ -19,9 +19,6 @@ be read; its other columns are then empty and the other rows are still predicted
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 import json
 import os
 
@@ -30,23 +27,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-# training/ travels with the model as code: MLflow puts it on the path before running this file.
-from training.data.images import load_resized
-from training.models.build import DESCRIPTION_ARTIFACT, WEIGHTS_ARTIFACT, build_model
+# The package travels with the model as code: MLflow puts it on the path before running this file.
+from trainflow_serving import DESCRIPTION_ARTIFACT, WEIGHTS_ARTIFACT
+from trainflow_serving.images import load_resized_bytes
+from trainflow_serving.networks import Normalize, build_network
 
 BATCH = 64
-
-
-def decode_image(value: bytes | str, side: int, channels: int) -> np.ndarray:
-    """Encoded bytes (or base64 text) -> uint8 [C, side, side], exactly as in training."""
-    if isinstance(value, str):
-        try:
-            value = base64.b64decode(value, validate=False)
-        except (binascii.Error, ValueError) as e:
-            raise ValueError(f"not base64 image data: {e}") from None
-    if not isinstance(value, bytes | bytearray) or not value:
-        raise ValueError("no image bytes in this row")
-    return load_resized(io.BytesIO(value), side, channels)
 
 
 def serving_device() -> torch.device:
@@ -70,12 +56,11 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
         pre = d["preprocessing"]
         self.side, self.channels = pre["image_size"], pre["channels"]
         self.class_names = d["class_names"]
-        self.model = build_model(d["model"], len(self.class_names), self.channels, self.side)
+        self.model = build_network(d["model"], len(self.class_names), self.channels, self.side)
         load_model(self.model, context.artifacts[WEIGHTS_ARTIFACT], strict=True)
         self.device = serving_device()
         self.model.to(self.device).eval()
-        self.mean = torch.tensor(pre["mean"], device=self.device).view(1, -1, 1, 1) * 255
-        self.std = torch.tensor(pre["std"], device=self.device).view(1, -1, 1, 1) * 255
+        self.normalize = Normalize(pre["mean"], pre["std"]).to(self.device)
 
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None
                 ) -> pd.DataFrame:
@@ -84,7 +69,7 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
         images, errors = [], []
         for value in model_input["image"]:
             try:
-                images.append(decode_image(value, self.side, self.channels))
+                images.append(load_resized_bytes(value, self.side, self.channels))
                 errors.append(None)
             except Exception as e:  # one bad row must not cost the others their predictions
                 images.append(None)
@@ -95,7 +80,7 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
             for start in range(0, len(good), BATCH):
                 rows = good[start:start + BATCH]
                 batch = torch.from_numpy(np.stack([images[i] for i in rows])).to(self.device)
-                logits = self.model((batch.float() - self.mean) / self.std)
+                logits = self.model(self.normalize(batch))
                 probs[rows] = torch.softmax(logits.float(), 1).cpu().numpy()
         return predictions_frame(probs, self.class_names, errors)
 
