@@ -7,7 +7,16 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
+from training.config import (
+    LAUNCH_ONLY,
+    PER_MACHINE,
+    SEARCHABLE,
+    DatasetSpec,
+    RegistrySpec,
+    Role,
+    SplitSpec,
+    TrainingSpec,
+)
 from training.handoff import JobFileError, SplitResult, TrainJob
 
 
@@ -40,7 +49,7 @@ def test_kaggle_sources_are_parsed():
     (TrainingSpec, {"epochs": -1}, "greater than or equal to 1"),
     (TrainingSpec, {"num_processes": 0}, "at least 1"),
     (TrainingSpec, {"model": "resnet-18"}, "unknown model 'resnet-18'"),
-    (TrainingSpec, {"optimizer": "adagrad"}, "unknown optimizer 'adagrad'; use one of adam"),
+    (TrainingSpec, {"optimizer": "adagrad"}, "'adam', 'adamw' or 'sgd'"),
     (TrainingSpec, {"mixed_precision": "fp8"}, "'no', 'fp16' or 'bf16'"),
     (TrainingSpec, {"num_machines": 2, "machine_rank": 2}, "must be below"),
     (TrainingSpec, {"node_work_queue": "gpu-{rank}"}, "{machine_rank}"),
@@ -128,3 +137,29 @@ def test_the_spec_hash_counts_the_world_size():
     assert spec_hash(one, SplitSpec()) == spec_hash(TrainingSpec(num_processes=1,
                                                                  hang_timeout_s=9), SplitSpec())
     assert spec_hash(one, SplitSpec()) != spec_hash(one, SplitSpec(seed=7))
+
+
+def test_every_training_field_declares_one_role():
+    """A new field without its role would be hashed, searched and replayed by accident."""
+    for name, info in TrainingSpec.model_fields.items():
+        declared = [m for m in info.metadata if isinstance(m, Role)]
+        assert len(declared) == 1, f"TrainingSpec.{name} declares {declared}: give it one Role"
+
+
+def test_the_rules_follow_the_declared_roles():
+    from tasks.lineage import spec_hash
+
+    assert "epochs" not in SEARCHABLE and {"lr", "model", "seed"} <= SEARCHABLE
+    assert {"num_processes", "accelerate_config_file", "num_machines"} <= LAUNCH_ONLY
+    assert not SEARCHABLE & LAUNCH_ONLY and PER_MACHINE < LAUNCH_ONLY
+    base = TrainingSpec(num_processes=1)
+    for name in LAUNCH_ONLY - {"num_processes", "num_machines", "machine_rank"}:
+        changed = base.model_copy(update={name: "x"})  # unvalidated: only the hash reads it
+        assert spec_hash(changed, SplitSpec()) == spec_hash(base, SplitSpec()), name
+    for name, value in {"lr": 0.1, "epochs": 3, "seed": 1, "optimizer": "sgd"}.items():
+        changed = base.model_copy(update={name: value})
+        assert spec_hash(changed, SplitSpec()) != spec_hash(base, SplitSpec()), name
+    node = TrainingSpec(num_machines=2, machine_rank=1, main_process_ip="10.0.0.2",
+                        main_process_port=29500).on_this_machine()
+    assert {name: getattr(node, name) for name in PER_MACHINE} == {
+        "machine_rank": 0, "main_process_ip": None, "main_process_port": None}

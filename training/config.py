@@ -12,9 +12,10 @@ import ast
 import importlib.util
 import os
 import re
+from enum import StrEnum
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -29,11 +30,25 @@ _KAGGLE_COMPETITION = re.compile(r"^kaggle:competitions/([a-z0-9][a-z0-9-]*)$")
 _KAGGLE_DATASET = re.compile(r"^kaggle:datasets/([A-Za-z0-9_-]+)/([A-Za-z0-9][A-Za-z0-9_.-]*)$")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
 BUILTIN_DATASETS = ("digits",)
-OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
 class Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Role(StrEnum):
+    """What a training field is for, declared on the field; every rule below derives from it."""
+
+    RECIPE = "recipe"
+    """What the model learns: in the spec hash, searchable by a sweep, replayed by rerun."""
+    BUDGET = "budget"
+    """How long it learns (epochs): in the spec hash, but a sweep's budget, never searched."""
+    LAUNCH = "launch"
+    """Where and how the launch runs: outside the spec hash (the world size it gives counts on
+    its own), never searched, never replayed by `trainflow rerun`."""
+    MACHINE = "machine"
+    """A launch field the train task sets for each machine: also left out of what one
+    machine's launch on its own (evaluation, scoring) or the tracked parameters carry."""
 
 
 class DatasetSpec(Spec):
@@ -188,22 +203,25 @@ def _registered_name(function: ast.FunctionDef) -> list[str]:
 class TrainingSpec(Spec):
     """What to train and how, including how `accelerate launch` is called."""
 
-    model: str = Field(
+    model: Annotated[str, Role.RECIPE] = Field(
         "basicnet",
         description='"basicnet", "resnet18", "vgg16" or any torchvision classification model.',
     )
-    pretrained: bool = Field(False, description="Load torchvision weights from the torch cache.")
-    image_size: int = Field(28, ge=8, le=1024, description="Square input size in pixels.")
-    epochs: int = Field(2, ge=1, le=10_000)
-    batch_size: int = Field(32, ge=1, le=65_536, description="Per process.")
-    lr: float = Field(
+    pretrained: Annotated[bool, Role.RECIPE] = Field(
+        False, description="Load torchvision weights from the torch cache.")
+    image_size: Annotated[int, Role.RECIPE] = Field(
+        28, ge=8, le=1024, description="Square input size in pixels.")
+    epochs: Annotated[int, Role.BUDGET] = Field(2, ge=1, le=10_000)
+    batch_size: Annotated[int, Role.RECIPE] = Field(32, ge=1, le=65_536, description="Per process.")
+    lr: Annotated[float, Role.RECIPE] = Field(
         5e-3, gt=0, le=10, description="Peak learning rate (of the head, with "
         "backbone_lr_factor). The default suits training from scratch with the onecycle "
         "schedule (bench/RESULTS.md: digits 0.944 -> 0.978 in 3 epochs); fine-tuning "
         "pretrained weights wants about 1e-3 with backbone_lr_factor 0.1.")
-    optimizer: str = Field("adam", description='"adam", "adamw" or "sgd".')
-    weight_decay: float = Field(0.0, ge=0)
-    augment: Literal["none", "crop", "crop_flip"] = Field(
+    optimizer: Annotated[Literal["adam", "adamw", "sgd"], Role.RECIPE] = Field(
+        "adam", description='"adam", "adamw" or "sgd".')
+    weight_decay: Annotated[float, Role.RECIPE] = Field(0.0, ge=0)
+    augment: Annotated[Literal["none", "crop", "crop_flip"], Role.RECIPE] = Field(
         "none",
         description="none: resize only; right for digits, text and short trainings, and the "
         "tutorial's recipe. crop: a random crop of 70-100% of the image, resized; for objects "
@@ -211,79 +229,84 @@ class TrainingSpec(Spec):
         "natural photos where a mirror image is the same class (cats, dogs), never for digits "
         "or text.",
     )
-    lr_schedule: Literal["constant", "cosine", "onecycle", "step"] = Field(
+    lr_schedule: Annotated[Literal["constant", "cosine", "onecycle", "step"], Role.RECIPE] = Field(
         "onecycle",
         description="Per-step learning rate, from torch's schedulers: onecycle (OneCycleLR: up "
         "from 10% of lr over 30% of training, or warmup_epochs, then down to about 0); "
         "constant; cosine (CosineAnnealingLR, down to 0 at the end); step (x0.1 after each "
         "third of training); the last three after a LinearLR warm-up when warmup_epochs > 0.",
     )
-    warmup_epochs: float = Field(
+    warmup_epochs: Annotated[float, Role.RECIPE] = Field(
         0.0, ge=0, description="Linear warm-up from 10% of lr over this many epochs (0: none)."
     )
-    early_stopping_patience: int | None = Field(
+    early_stopping_patience: Annotated[int | None, Role.RECIPE] = Field(
         None, ge=1, description="Stop after this many epochs without a validation accuracy gain "
         "of more than early_stopping_min_delta (None: run every epoch). The best epoch is kept."
     )
-    early_stopping_min_delta: float = Field(
+    early_stopping_min_delta: Annotated[float, Role.RECIPE] = Field(
         0.0, ge=0, description="The validation accuracy gain that counts as an improvement."
     )
-    gradient_accumulation_steps: int = Field(
+    gradient_accumulation_steps: Annotated[int, Role.RECIPE] = Field(
         1, ge=1, le=1024, description="Batches per optimizer step: the effective batch is "
         "batch_size x processes x this."
     )
-    label_smoothing: float = Field(
+    label_smoothing: Annotated[float, Role.RECIPE] = Field(
         0.1, ge=0, lt=1, description="Cross-entropy label smoothing (0.1 as torchvision's "
         "recipes; measured with the default lr and schedule in bench/RESULTS.md).")
-    channels_last: bool = Field(
+    channels_last: Annotated[bool, Role.RECIPE] = Field(
         True, description="NHWC memory layout for convolutions (measured 1.05-1.15x faster "
         "steps on CPU for basicnet, resnet18, mobilenet_v3_small, vgg16: bench/RESULTS.md).")
-    compile: bool = Field(False, description="torch.compile the model (slow first epoch).")
-    loader_workers: int | Literal["auto"] = Field(
+    compile: Annotated[bool, Role.RECIPE] = Field(
+        False, description="torch.compile the model (slow first epoch).")
+    loader_workers: Annotated[int | Literal["auto"], Role.RECIPE] = Field(
         "auto", description='DataLoader worker processes per rank. "auto": 0 on a machine '
         "without GPUs (measured: a worker competes with the ranks for cores), else the cores "
         "each GPU's rank can spare (cores per rank - 1, at most 4), so loading overlaps "
         "compute. Batches are pinned on a GPU.")
-    freeze_backbone: bool = Field(
+    freeze_backbone: Annotated[bool, Role.RECIPE] = Field(
         False, description="Train only the new classification head (with pretrained=true)."
     )
-    backbone_lr_factor: float = Field(
+    backbone_lr_factor: Annotated[float, Role.RECIPE] = Field(
         1.0, gt=0, le=1, description="The backbone's learning rate is lr x this; the head's is "
         "lr (fine-tuning a pretrained model: e.g. 0.1)."
     )
-    num_processes: int | Literal["auto"] = Field(
+    num_processes: Annotated[int | Literal["auto"], Role.LAUNCH] = Field(
         "auto", description='Processes on this machine; "auto": the GPUs, or 2 on a CPU machine.'
     )
-    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
-    seed: int = 42
-    num_machines: int = Field(
+    mixed_precision: Annotated[Literal["no", "fp16", "bf16"], Role.RECIPE] = "no"
+    seed: Annotated[int, Role.RECIPE] = 42
+    num_machines: Annotated[int, Role.LAUNCH] = Field(
         1, ge=1, description="Machines to train on. Above 1, the train task starts one "
         "train-node flow run per machine through the work pool (README: Beyond one machine).")
-    machine_rank: int = Field(0, ge=0, description="This machine's place; set per node by the "
+    machine_rank: Annotated[int, Role.MACHINE] = Field(
+        0, ge=0, description="This machine's place; set per node by the "
                               "train task, by hand only for a bare `accelerate launch`.")
-    main_process_ip: str | None = Field(
+    main_process_ip: Annotated[str | None, Role.MACHINE] = Field(
         None, description="Address of machine 0 that the others join; None: machine 0 finds "
         "and reports its own.")
-    main_process_port: int | None = Field(None, ge=1, le=65535, description="None: a free port.")
-    node_deployment: str = Field(
+    main_process_port: Annotated[int | None, Role.MACHINE] = Field(
+        None, ge=1, le=65535, description="None: a free port.")
+    node_deployment: Annotated[str, Role.LAUNCH] = Field(
         "train-node/nodes", description="The deployment that runs one machine's launch.")
-    node_work_queue: str = Field(
+    node_work_queue: Annotated[str, Role.LAUNCH] = Field(
         "machine-{machine_rank}", description="Work queue of each node's run; one queue per "
         "machine (one worker each) places every node on its own machine. Without "
         "{machine_rank}, all nodes share one queue (e.g. Kubernetes, which places the pods).")
-    rendezvous_timeout_s: float = Field(
+    rendezvous_timeout_s: Annotated[float, Role.LAUNCH] = Field(
         120, gt=0, description="How long the machines wait for each other to start and join.")
-    max_restarts: int = Field(
+    max_restarts: Annotated[int, Role.LAUNCH] = Field(
         0, ge=0, description="Elastic restarts of every rank after a failure (torchrun's "
         "--max_restarts); each restart resumes from the last checkpoint.")
-    accelerate_config_file: str | None = Field(
+    accelerate_config_file: Annotated[str | None, Role.LAUNCH] = Field(
         None, description="An accelerate config file; replaces the launch options above."
     )
-    timeout_s: float | None = Field(None, gt=0, description="Kill the launch after this long.")
-    hang_timeout_s: float = Field(
+    timeout_s: Annotated[float | None, Role.LAUNCH] = Field(
+        None, gt=0, description="Kill the launch after this long.")
+    hang_timeout_s: Annotated[float, Role.LAUNCH] = Field(
         300, gt=0, description="Kill the launch when no rank made progress for this long."
     )
-    heartbeat_steps: int = Field(10, ge=1, description="Each rank reports every N steps.")
+    heartbeat_steps: Annotated[int, Role.LAUNCH] = Field(
+        10, ge=1, description="Each rank reports every N steps.")
 
     @field_validator("model")
     @classmethod
@@ -294,13 +317,6 @@ class TrainingSpec(Spec):
             f"unknown model {model!r}; use \"basicnet\", \"resnet18\", \"vgg16\" or another "
             "name from torchvision.models.list_models()"
         )
-
-    @field_validator("optimizer")
-    @classmethod
-    def _known_optimizer(cls, optimizer: str) -> str:
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-        return optimizer
 
     @field_validator("num_processes")
     @classmethod
@@ -353,8 +369,8 @@ class TrainingSpec(Spec):
 
     def on_this_machine(self) -> TrainingSpec:
         """The same spec for a launch on this machine alone (evaluation, scoring)."""
-        return self.model_copy(update={"num_machines": 1, "machine_rank": 0,
-                                       "main_process_ip": None, "main_process_port": None})
+        fresh = {name: TrainingSpec.model_fields[name].default for name in PER_MACHINE}
+        return self.model_copy(update={**fresh, "num_machines": 1})
 
     def resolved_num_processes(self, gpus: int | None = None) -> int:
         """Processes on this machine, with "auto" decided by the hardware that is here (`gpus`:
@@ -394,15 +410,15 @@ class RegistrySpec(Spec):
         "version unpromoted, and the version says so.")
 
 
-# Where and how the launch runs, not what it learns: never searched, never part of what makes
-# two trainings the same (the world size they give counts separately), never replayed by
-# `trainflow rerun`. Declared once here; a test fails when a new field is in neither set.
-LAUNCH_ONLY = frozenset({
-    "num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
-    "node_deployment", "node_work_queue", "rendezvous_timeout_s", "max_restarts",
-    "accelerate_config_file", "timeout_s", "hang_timeout_s", "heartbeat_steps"})
-# Fields a sweep may vary: the recipe (epochs is the sweep's budget, not a searched value).
-SEARCHABLE = frozenset(TrainingSpec.model_fields) - LAUNCH_ONLY - {"epochs"}
+def fields_with(*roles: Role) -> frozenset[str]:
+    """The TrainingSpec fields declared with one of `roles`."""
+    return frozenset(name for name, info in TrainingSpec.model_fields.items()
+                     if any(role in info.metadata for role in roles))
+
+
+LAUNCH_ONLY = fields_with(Role.LAUNCH, Role.MACHINE)
+PER_MACHINE = fields_with(Role.MACHINE)
+SEARCHABLE = fields_with(Role.RECIPE)
 
 
 class Distribution(Spec):

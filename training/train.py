@@ -34,7 +34,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from torch.utils.data import DataLoader
 
 from trainflow_serving.networks import Normalize
-from training.config import TrainingSpec
+from training.config import PER_MACHINE, TrainingSpec
 from training.data.cache import CachedImages, decode_split, split_sides
 from training.engine.checkpoint import Checkpointer, TrainerState, project_configuration
 from training.engine.events import (
@@ -177,7 +177,7 @@ def make_loaders(job: TrainJob, accelerator: Accelerator, progress: ProgressWrit
 
 def report_params(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: ProgressWriter,
                   train_loader: DataLoader, val_loader: DataLoader) -> None:
-    params = {**job.training.model_dump(exclude={"main_process_ip"}), "world_size": rank.world,
+    params = {**job.training.model_dump(exclude=PER_MACHINE), "world_size": rank.world,
               "loader_workers": train_loader.num_workers,  # what "auto" became here
               "train_images": len(train_loader.dataset), "val_images": len(val_loader.dataset),
               "classes": len(job.split.class_names)}
