@@ -13,6 +13,8 @@ _SESSION_HOME = Path(tempfile.mkdtemp(prefix="trainflow-test-"))
 # Set before Prefect or MLflow are imported anywhere, so nothing touches the user's real home.
 os.environ["TRAINFLOW_HOME"] = str(_SESSION_HOME / "home")
 os.environ["PREFECT_HOME"] = str(_SESSION_HOME / "prefect")
+# Every rank the tests start can be given a fault (TRAINFLOW_FAULT): see tests/faults.py.
+os.environ["TRAINFLOW_RANK_HOOKS"] = str(Path(__file__).with_name("faults.py"))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.pop("MLFLOW_TRACKING_URI", None)

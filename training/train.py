@@ -46,7 +46,7 @@ from training.engine.events import (
     Resumed,
     Trained,
 )
-from training.engine.faults import delay_decode
+from training.engine.hooks import rank_hooks
 from training.engine.loop import Learner, train_one_epoch, validate
 from training.engine.progress import ProgressWriter, Rank, start_rank, task_reports
 from training.engine.schedule import EarlyStopping, continue_after, make_optimizer, make_scheduler
@@ -155,7 +155,7 @@ def make_loaders(job: TrainJob, accelerator: Accelerator, progress: ProgressWrit
     def decoding(split):
         def on_progress(done: int, total: int) -> None:
             progress.emit(Heartbeat, phase=f"decode {split}", step=done, total=total)
-            delay_decode()
+            rank_hooks().on_decode_progress(done, total)
         return on_progress
 
     # Whatever the split stage left undecoded is decoded once, by whichever rank takes the

@@ -10,7 +10,7 @@ from accelerate import Accelerator
 
 from training.config import TrainingSpec
 from training.engine.events import Heartbeat
-from training.engine.faults import with_faults
+from training.engine.hooks import rank_hooks
 from training.engine.progress import ProgressWriter, Rank
 
 
@@ -44,7 +44,9 @@ def train_one_epoch(learner: Learner, loader, epoch: int) -> dict:
         from tqdm import tqdm
 
         loader = tqdm(loader, desc=f"epoch {epoch}", leave=False)
-    for step, (images, labels) in enumerate(with_faults(loader, learner.rank.index, epoch), 1):
+    on_step = rank_hooks().on_step
+    for step, (images, labels) in enumerate(loader, 1):
+        on_step(learner.rank.index, epoch, step)
         # accumulate() skips the gradient sync and the optimizer step on all but every
         # gradient_accumulation_steps-th batch, and scales the loss to match.
         with accelerator.accumulate(model):

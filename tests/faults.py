@@ -1,4 +1,5 @@
-"""Deliberate faults for the fault-tolerance tests, outside the training loop's code.
+"""Deliberate faults for the fault-tolerance tests: a rank hook module (training/engine/hooks.py),
+which conftest.py names in TRAINFLOW_RANK_HOOKS for every process the tests start.
 
 TRAINFLOW_FAULT="<kind>:rank=<r>:epoch=<e>:step=<s>" with kind one of
   raise  - the rank raises RuntimeError at that step
@@ -8,7 +9,7 @@ TRAINFLOW_FAULT="<kind>:rank=<r>:epoch=<e>:step=<s>" with kind one of
   slow_decode - the rank that decodes the store sleeps <seconds> once, holding its lock
 With TRAINFLOW_FAULT_ONCE=<file>, a fault fires only while <file> does not exist (it is created
 when the fault fires), so a retried attempt runs clean.
-Unset in production: `with_faults` then returns the loader itself, untouched.
+Without TRAINFLOW_FAULT the hooks do nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterable, Iterator
 from functools import cache
 
 
@@ -33,7 +33,7 @@ def _fault() -> dict | None:
     return spec
 
 
-def inject_fault(rank: int, epoch: int, step: int) -> None:
+def on_step(rank: int, epoch: int, step: int) -> None:
     fault = _fault()
     if fault is None or fault.get("rank", rank) != rank:
         return
@@ -55,21 +55,8 @@ def inject_fault(rank: int, epoch: int, step: int) -> None:
         time.sleep(3600)
 
 
-def delay_decode() -> None:
+def on_decode_progress(done: int, total: int) -> None:
     fault = _fault()
     if fault is not None and fault["kind"] == "slow_decode" and not fault.get("slept"):
         fault["slept"] = True
         time.sleep(fault.get("seconds", 1.0))
-
-
-def with_faults(loader: Iterable, rank: int, epoch: int) -> Iterable:
-    """The loader, or (when TRAINFLOW_FAULT is set) the loader with the fault at its step."""
-    if _fault() is None:
-        return loader
-    return _faulty(loader, rank, epoch)
-
-
-def _faulty(loader: Iterable, rank: int, epoch: int) -> Iterator:
-    for step, batch in enumerate(loader, start=1):
-        inject_fault(rank, epoch, step)
-        yield batch
