@@ -53,8 +53,8 @@ def main() -> None:
                 out = home / f"{len(scores[name])}-{seed}-{abs(hash(name))}"
                 job = TrainJob(split=split, output_dir=out / "train", training=training)
                 result = run_training(job, LOG, resume=False, evaluate_into=out / "evaluation")
-                scores[name].append(result.test_metrics["accuracy"])
-                epochs_s = sum(h["epoch_seconds"] for h in result.history)
+                scores[name].append(result.test_metrics.accuracy)
+                epochs_s = sum(h.epoch_seconds for h in result.history)
                 print(f"seed {seed} {name}: {scores[name][-1]:.4f} ({epochs_s:.1f} s of epochs)",
                       flush=True)
         test_images = sum(split.counts["test"].values())

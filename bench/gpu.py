@@ -172,7 +172,7 @@ def end_to_end(folder: Path, side: int, processes: list[int], epochs: int, compi
             "model": "resnet18", "image_size": side, "epochs": epochs, "batch_size": 16,
             "num_processes": n, "augment": "crop_flip", "compile": compile_})
         result = run_training(job, logging.getLogger("bench"))
-        rates[n] = (result.history[-1]["images_per_second"], result.world_size)
+        rates[n] = (result.history[-1].images_per_second, result.world_size)
     return rates
 
 

@@ -107,7 +107,7 @@ def main() -> None:
         f"| decoded images on disk | {disk / gb:.2f} GB |",
         f"| decoding process, peak resident | {decode_peak / gb:.2f} GB |",
         f"| training launch wall (1 process start, {args.epochs} epoch(s), test evaluation) "
-        f"| {train_s:.0f} s, {epoch['images_per_second']:.0f} images/s |",
+        f"| {train_s:.0f} s, {epoch.images_per_second:.0f} images/s |",
         f"| training, peak private memory of all processes (RssAnon) | {sampler.anon / gb:.2f} GB |",
         f"| training, peak file-backed resident (the store's pages, shared) "
         f"| {sampler.file / gb:.2f} GB |",

@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 
@@ -86,13 +87,13 @@ def launch(kind: str, job: TrainJob, processes: int, folder: Path, cold: bool = 
     else:
         lines = [json.loads(x) for x in output.splitlines() if x.startswith('{"event"')]
         first = next(x["time"] for x in lines if x["event"] == "first_step")
-        epochs = [x for x in lines if x["event"] == "epoch"]
+        epochs = [SimpleNamespace(**x) for x in lines if x["event"] == "epoch"]
     return {"wall": wall, "startup": first - started, "peak_rank_mb": peaks.get("rank", 0) / 2**20,
             "peak_total_mb": peaks.get("total", 0) / 2**20,
-            "epoch1_ips": epochs[0]["images_per_second"],
-            "later_ips": _median_or_nan([e["images_per_second"] for e in epochs[1:]]),
-            "epoch1_s": epochs[0]["epoch_seconds"],
-            "later_s": _median_or_nan([e["epoch_seconds"] for e in epochs[1:]])}
+            "epoch1_ips": epochs[0].images_per_second,
+            "later_ips": _median_or_nan([e.images_per_second for e in epochs[1:]]),
+            "epoch1_s": epochs[0].epoch_seconds,
+            "later_s": _median_or_nan([e.epoch_seconds for e in epochs[1:]])}
 
 
 def _median_or_nan(values: list[float]) -> float:

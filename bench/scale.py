@@ -179,7 +179,7 @@ def stage_profile(root: Path, epochs: int) -> list[str]:
         shutil.rmtree(home, ignore_errors=True)
     tasks.sort(key=lambda t: t.start_time)
     total = sum(t.total_run_time.total_seconds() for t in tasks)
-    epochs_s = sum(e["epoch_seconds"] for e in history)
+    epochs_s = sum(e.epoch_seconds for e in history)
     return ["", f"one whole flow, resnet18 {SIZE} px, {epochs} epochs, 2 processes: "
             f"{wall:.0f} s wall", "", "| task run | s |", "|---|---|",
             *(f"| {t.name.rsplit('-', 1)[0]} | {t.total_run_time.total_seconds():.1f} |"

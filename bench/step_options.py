@@ -59,7 +59,7 @@ def main() -> None:
                 job = TrainJob(split=split, training=training,
                                output_dir=home / f"{round_}-{name.replace(', ', '-')}")
                 result = run_training(job, logger, resume=False)
-                speed[name].append(result.history[-1]["images_per_second"])
+                speed[name].append(result.history[-1].images_per_second)
                 print(f"round {round_ + 1} {name}: {speed[name][-1]:.0f} images/s", flush=True)
     finally:
         shutil.rmtree(home, ignore_errors=True)

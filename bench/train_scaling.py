@@ -35,10 +35,10 @@ def one_run(split: SplitResult, folder: Path, processes: int, epochs: int, cold:
     wall = time.perf_counter() - started
     assert result.world_size == processes
     history = result.history
-    return {"wall": wall, "epoch1_s": history[0]["epoch_seconds"],
-            "later_s": statistics.median(h["epoch_seconds"] for h in history[1:]),
-            "epoch1_ips": history[0]["images_per_second"],
-            "later_ips": statistics.median(h["images_per_second"] for h in history[1:])}
+    return {"wall": wall, "epoch1_s": history[0].epoch_seconds,
+            "later_s": statistics.median(h.epoch_seconds for h in history[1:]),
+            "epoch1_ips": history[0].images_per_second,
+            "later_ips": statistics.median(h.images_per_second for h in history[1:])}
 
 
 def main() -> None:

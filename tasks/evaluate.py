@@ -14,18 +14,10 @@ from pydantic import BaseModel
 from tasks import run_logger
 from tasks.launcher import launch
 from tasks.train import evaluation_dir
-from training.engine.events import Evaluated, last_from_rank_0
+from training.engine.events import ClassFigures, Evaluated, TestMetrics, last_from_rank_0
 from training.evaluation.plots import training_curves_png
 from training.handoff import TrainResult
 from training.storage import tracking_uri
-
-
-class ClassFigures(BaseModel):
-    precision: float
-    recall: float
-    f1: float
-    support: int
-    """test images of this class"""
 
 
 class Evaluation(BaseModel):
@@ -55,9 +47,9 @@ def run_evaluation(trained: TrainResult, out: Path, logger) -> Evaluation:
     return _evaluation(done.metrics, out)
 
 
-def _evaluation(metrics: dict, out: Path) -> Evaluation:
-    return Evaluation(metrics={k: v for k, v in metrics.items() if isinstance(v, float)},
-                      per_class=metrics["per_class"], images=metrics["images"], output_dir=out,
+def _evaluation(metrics: TestMetrics, out: Path) -> Evaluation:
+    return Evaluation(metrics=metrics.scores(), per_class=metrics.per_class,
+                      images=metrics.images, output_dir=out,
                       predictions=out / "predictions.csv")
 
 

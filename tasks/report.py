@@ -27,7 +27,7 @@ def publish_report(dataset: DatasetRef, split: SplitResult, trained: TrainResult
 fingerprint `{dataset.fingerprint[:12]}`; split {counts}; quarantined {split.quarantined}.
 
 **Training** world size {trained.world_size}, best epoch {trained.best_epoch}
-(val accuracy {trained.best_metrics['val_accuracy']:.4f}).
+(val accuracy {trained.best_metrics.val_accuracy:.4f}).
 
 | test metric | value |
 |---|---|

@@ -196,7 +196,7 @@ def train_trial(trial: optuna.Trial, spec: TrainingSpec, data: SplitResult, fold
     def on_epoch(event: EpochEnded) -> None:
         nonlocal epochs_run
         epochs_run = event.epoch
-        trial.report(event.metrics["val_accuracy"], step=event.epoch)
+        trial.report(event.metrics.val_accuracy, step=event.epoch)
         if trial.should_prune():  # raised in the watcher: the launch is killed on the way out
             raise optuna.TrialPruned(f"pruned after epoch {event.epoch}")
 
@@ -218,7 +218,7 @@ def train_trial(trial: optuna.Trial, spec: TrainingSpec, data: SplitResult, fold
     trial.set_user_attr(RESULT_ATTR, result.model_dump_json())
     client.set_tag(run_id, TRIAL_STATE, "complete")
     client.set_terminated(run_id, "FINISHED")
-    return result.best_metrics["val_accuracy"]
+    return result.best_metrics.val_accuracy
 
 
 def summarize(study: optuna.Study, base: TrainingSpec, storage: str, client: MlflowClient,

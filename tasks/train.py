@@ -49,9 +49,10 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         if isinstance(event, Params) and main:
             tracker.log_params(event.params)
         elif isinstance(event, EpochEnded) and main:
-            tracker.log_metrics(event.metrics, step=event.epoch)
+            figures = event.metrics.figures()
+            tracker.log_metrics(figures, step=event.epoch)
             logger.info("epoch %s/%s %s", event.epoch, event.epochs, " ".join(
-                f"{k}={v:.4g}" for k, v in event.metrics.items()))
+                f"{k}={v:.4g}" for k, v in figures.items()))
             on_epoch(event)
         elif isinstance(event, Started):
             logger.info("rank %s started on %s, world size %s", event.rank, event.device,
@@ -81,8 +82,8 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         job=job,
         preprocessing=Preprocessing.model_validate(result.preprocessing),
         weights=Path(result.weights),
-        best_epoch=result.best["epoch"],
-        best_metrics={k: v for k, v in result.best.items() if k != "epoch"},
+        best_epoch=result.best.epoch,
+        best_metrics=result.best,
         history=result.history,
         world_size=result.world_size,
         mlflow_unsent=unsent,
@@ -125,5 +126,5 @@ def train_model(split: SplitResult, training: TrainingSpec, output_dir: Path,
     if result.mlflow_unsent:
         logger.warning("%d metric batches could not be logged to MLflow; weights are safe at %s",
                        result.mlflow_unsent, result.weights)
-    logger.info("best epoch %d: %s", result.best_epoch, json.dumps(result.best_metrics))
+    logger.info("best epoch %d: %s", result.best_epoch, json.dumps(result.best_metrics.figures()))
     return result

@@ -61,8 +61,8 @@ def test_one_and_two_processes_give_identical_metrics(digits_split, tmp_path):
     assert results[1]["loss"] == pytest.approx(results[2]["loss"], rel=1e-5)
     in_launch = json.loads((tmp_path / "in-launch" / "metrics.json").read_text())
     assert in_launch["confusion_matrix"] == results[2]["confusion_matrix"]
-    assert trained.test_metrics["accuracy"] == results[2]["accuracy"]  # fp32, bf16 training
-    assert trained.test_metrics["loss"] == pytest.approx(results[2]["loss"], rel=1e-5)
+    assert trained.test_metrics.accuracy == results[2]["accuracy"]  # fp32, bf16 training
+    assert trained.test_metrics.loss == pytest.approx(results[2]["loss"], rel=1e-5)
     one, two = (_rows(tmp_path / f"e{n}" / "predictions.csv") for n in (1, 2))
     assert [r[:3] + r[4:] for r in one] == [r[:3] + r[4:] for r in two]  # path ... correct
     assert [float(r[3]) for r in one] == pytest.approx([float(r[3]) for r in two], abs=1e-4)

@@ -37,7 +37,7 @@ def test_killed_rank_in_a_flow_is_retried_resumed_and_registered_once(
     assert (tmp_path / "fired").exists()  # the rank really was killed once
     events = ProgressReader(result.trained.output_dir).poll()
     assert any(e.event == "resumed" and e.epoch == 1 for e in events)
-    assert [h["epoch"] for h in result.trained.history] == [1, 2, 3]
+    assert [h.epoch for h in result.trained.history] == [1, 2, 3]
     client = MlflowClient(tracking_uri())
     flow_run_id = client.get_run(result.mlflow_run_id).data.tags[FLOW_RUN_ID]
     versions = client.search_model_versions("name='fault-digits'")
@@ -79,7 +79,7 @@ def test_mlflow_going_down_mid_training_keeps_the_weights(digits_split, tmp_path
         if not stopped.is_set():
             server.__exit__(None, None, None)
     assert stopped.is_set()
-    assert [h["epoch"] for h in result.history] == [1, 2, 3]
+    assert [h.epoch for h in result.history] == [1, 2, 3]
     assert result.mlflow_unsent > 0  # the task reports what could not be logged
     assert load_file(result.weights)  # the trained weights are on disk and readable
 

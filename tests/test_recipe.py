@@ -26,7 +26,7 @@ def _job(digits_split, tmp_path, name, **training):
 
 
 def _lrs(result) -> list[float]:
-    return [h["learning_rate"] for h in result.history]
+    return [h.learning_rate for h in result.history]
 
 
 def test_a_resumed_run_continues_the_same_learning_rate_curve(digits_split, tmp_path,
@@ -67,11 +67,11 @@ def test_early_stopping_stops_every_rank_and_keeps_the_best_epoch(digits_split, 
     job = _job(digits_split, tmp_path, "early", epochs=8, early_stopping_patience=1,
                early_stopping_min_delta=0.5)
     result = run_training(job, LOG)
-    assert [h["epoch"] for h in result.history] == [1, 2]
+    assert [h.epoch for h in result.history] == [1, 2]
     events = ProgressReader(job.output_dir).poll()
     assert sorted(e.rank for e in events if e.event == "early_stop") == [0, 1]
-    best = max(result.history, key=lambda h: (h["val_accuracy"], -h["val_loss"]))
-    assert result.best_epoch == best["epoch"]
+    best = max(result.history, key=lambda h: (h.val_accuracy, -h.val_loss))
+    assert result.best_epoch == best.epoch
     with safe_open(str(result.weights), "pt") as f:
         assert f.metadata()["epoch"] == str(result.best_epoch)
 
@@ -83,13 +83,13 @@ def test_accumulation_gives_the_same_effective_batch(digits_split, tmp_path):
                              gradient_accumulation_steps=2, **schedule), LOG)
     whole = run_training(_job(digits_split, tmp_path, "whole", batch_size=50, **schedule), LOG)
     small = run_training(_job(digits_split, tmp_path, "small", batch_size=25, **schedule), LOG)
-    steps = {name: [h["optimizer_steps"] for h in r.history]
+    steps = {name: [h.optimizer_steps for h in r.history]
              for name, r in (("half", half), ("whole", whole), ("small", small))}
     batches = -(-sum(digits_split[1].counts["train"].values()) // 50)  # per epoch
     assert steps["half"] == steps["whole"] == [batches, 2 * batches, 3 * batches]
     assert steps["small"] == [2 * s for s in steps["whole"]]  # without accumulation
     assert _lrs(half) == pytest.approx(_lrs(whole))
-    assert half.best_metrics["val_accuracy"] > 0.5
+    assert half.best_metrics.val_accuracy > 0.5
 
 
 def test_a_frozen_pretrained_backbone_stays_bit_identical_and_the_head_trains(
@@ -115,7 +115,7 @@ def test_a_frozen_pretrained_backbone_stays_bit_identical_and_the_head_trains(
     initial = model_for(job).state_dict()
     assert trained["fc.weight"].shape == (10, 512)
     assert not torch.equal(trained["fc.weight"], initial["fc.weight"])
-    assert result.best_metrics["val_accuracy"] > 0.2  # chance is 0.1
+    assert result.best_metrics.val_accuracy > 0.2  # chance is 0.1
 
 
 def test_the_other_recipe_switches_train(digits_split, tmp_path):
@@ -123,7 +123,7 @@ def test_the_other_recipe_switches_train(digits_split, tmp_path):
                channels_last=False, augment="crop", lr_schedule="onecycle", loader_workers=1,
                mixed_precision="bf16", optimizer="adamw", backbone_lr_factor=0.5)
     result = run_training(job, LOG)
-    assert result.world_size == 2 and result.best_metrics["val_accuracy"] > 0.3
+    assert result.world_size == 2 and result.best_metrics.val_accuracy > 0.3
 
 
 def test_compiled_ddp_training_saves_plain_weights(digits_split, tmp_path):

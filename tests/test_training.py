@@ -56,9 +56,9 @@ def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
     [params] = [e.params for e in ProgressReader(job.output_dir).poll()
                 if e.event == "params"]
     assert params["loader_workers"] == 0  # "auto" on a machine without GPUs
-    assert all(h["val_images"] == val_size for h in result.history)
+    assert all(h.val_images == val_size for h in result.history)
     assert len(result.history) == 2
-    assert result.best_metrics["val_accuracy"] > 0.5  # chance is 0.1
+    assert result.best_metrics.val_accuracy > 0.5  # chance is 0.1
     weights = load_file(result.weights)
     fresh = build_model("basicnet", 10, 1, 12)
     assert set(weights) == set(fresh.state_dict())
@@ -71,7 +71,7 @@ def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
     # accelerate launch alone would give a single CPU process one thread and idle the rest.
     assert [e.threads for e in ProgressReader(tmp_path / "single").poll()
             if e.event == "start"] == [_threads(1)]
-    assert [h["val_images"] for h in single.history] == [val_size, val_size]
+    assert [h.val_images for h in single.history] == [val_size, val_size]
 
 
 def test_a_decode_longer_than_the_collective_timeout_does_not_fail_the_run(digits_split,
@@ -148,7 +148,7 @@ def test_killed_rank_ends_the_launch_and_retry_resumes(digits_split, tmp_path):
     assert [p for p in pids if alive(p)] == []
 
     resumed = run_training(job, LOG, resume=True)
-    assert [h["epoch"] for h in resumed.history] == [1, 2, 3]
+    assert [h.epoch for h in resumed.history] == [1, 2, 3]
     events = ProgressReader(job.output_dir).poll()
     assert any(e.event == "resumed" and e.epoch == 1 for e in events)
     epochs_run = [e.epoch for e in events if e.event == "epoch" and e.rank == 0]

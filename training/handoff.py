@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from training.config import Spec, TrainingSpec
+from training.engine.events import EpochMetrics, TestMetrics
 
 
 class SplitResult(BaseModel):
@@ -95,11 +96,11 @@ class TrainResult(BaseModel):
     preprocessing: Preprocessing
     weights: Path
     best_epoch: int
-    best_metrics: dict[str, float]
-    history: list[dict[str, float]]
+    best_metrics: EpochMetrics
+    history: list[EpochMetrics]
     world_size: int
     mlflow_unsent: int = 0
-    test_metrics: dict | None = None
+    test_metrics: TestMetrics | None = None
     """Set when the launch also evaluated the best weights on the test split (its ranks were
     up already); the files are in `test_dir`."""
     test_dir: Path | None = None

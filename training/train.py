@@ -40,6 +40,7 @@ from training.engine.checkpoint import Checkpointer, TrainerState, project_confi
 from training.engine.events import (
     EarlyStopped,
     EpochEnded,
+    EpochMetrics,
     Evaluated,
     Heartbeat,
     Params,
@@ -91,19 +92,20 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
         trained = train_one_epoch(learner, train_loader, epoch)
         metrics = {**trained, **validate(learner, val_loader, epoch)}
         seconds = time.perf_counter() - started
-        metrics |= {"epoch_seconds": seconds,
-                    "images_per_second": metrics.pop("train_images") / seconds,
-                    "learning_rate": optimizer.param_groups[0]["lr"],
-                    "optimizer_steps": scheduler.last_epoch}  # the scheduler counts them
-        is_best = state.record(epoch, metrics)
-        stop = stopper.should_stop(metrics["val_accuracy"])
+        metrics = EpochMetrics(epoch=epoch, epoch_seconds=seconds,
+                               images_per_second=metrics.pop("train_images") / seconds,
+                               learning_rate=optimizer.param_groups[0]["lr"],
+                               optimizer_steps=scheduler.last_epoch,  # it counts the steps
+                               **metrics)
+        is_best = state.record(epoch, metrics.figures())
+        stop = stopper.should_stop(metrics.val_accuracy)
         checkpoint = checkpoints.save(epoch, state, is_best)
-        accelerator.log(metrics, step=epoch)
+        accelerator.log(metrics.figures(), step=epoch)
         progress.emit(EpochEnded, epoch=epoch, epochs=spec.epochs, metrics=metrics,
                       is_best=is_best, checkpoint=str(checkpoint), world_size=rank.world)
         if rank.main and not task_reports():  # else the task says it once
             print(f"[rank {rank.index}] epoch {epoch}/{spec.epochs} " + " ".join(
-                f"{k}={v:.4g}" for k, v in metrics.items()), flush=True)
+                f"{k}={v:.4g}" for k, v in metrics.figures().items()), flush=True)
         if stop:  # every rank saw the same gathered metrics: all leave here together
             progress.emit(EarlyStopped, epoch=epoch, best_epoch=state.best["epoch"])
             break

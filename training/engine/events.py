@@ -20,6 +20,55 @@ class Event(BaseModel):
     time: float
 
 
+class Payload(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EpochMetrics(Payload):
+    """One epoch's figures, gathered over every rank: the same numbers on each."""
+
+    epoch: int
+    train_loss: float
+    train_accuracy: float
+    """Over the padded shards: a few images may count twice (validation is exact)."""
+    val_loss: float
+    val_accuracy: float
+    val_images: int
+    epoch_seconds: float
+    images_per_second: float
+    learning_rate: float
+    optimizer_steps: int
+
+    def figures(self) -> dict[str, float]:
+        """What is logged for the epoch (MLflow metrics, the log line): all but its number."""
+        return self.model_dump(exclude={"epoch"})
+
+
+class ClassFigures(Payload):
+    precision: float
+    recall: float
+    f1: float
+    support: int
+    """test images of this class"""
+
+
+class TestMetrics(Payload):
+    """The best weights on the test split, each image counted once."""
+
+    accuracy: float
+    loss: float
+    macro_f1: float
+    roc_auc: float | None = None
+    """two classes only"""
+    images: int
+    per_class: dict[str, ClassFigures]
+
+    def scores(self) -> dict[str, float]:
+        """The metrics a gate can compare and MLflow logs as test_<name>."""
+        return {k: v for k, v in self.model_dump(include={"accuracy", "loss", "macro_f1",
+                                                          "roc_auc"}).items() if v is not None}
+
+
 class Started(Event):
     """The rank is up: the launcher's start-up watch ends, the hang watch begins."""
 
@@ -55,7 +104,7 @@ class EpochEnded(Event):
     event: Literal["epoch"] = "epoch"
     epoch: int
     epochs: int
-    metrics: dict[str, int | float]
+    metrics: EpochMetrics
     is_best: bool
     checkpoint: str
     world_size: int
@@ -79,9 +128,8 @@ class Trained(Event):
 
     event: Literal["trained"] = "trained"
     world_size: int
-    best: dict[str, int | float]
-    """The best epoch's number ("epoch") and its validation metrics."""
-    history: list[dict[str, int | float]]
+    best: EpochMetrics
+    history: list[EpochMetrics]
     weights: str
     preprocessing: dict[str, Any]
 
@@ -90,7 +138,7 @@ class Evaluated(Event):
     """Test-split metrics (without the confusion matrix) and the folder of the full files."""
 
     event: Literal["evaluated"] = "evaluated"
-    metrics: dict[str, Any]
+    metrics: TestMetrics
     world_size: int
     out: str
 

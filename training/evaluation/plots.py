@@ -12,14 +12,15 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from trainflow_serving.images import open_image  # noqa: E402
+from training.engine.events import EpochMetrics  # noqa: E402
 
 
-def training_curves_png(history: list[dict], path: Path) -> Path:
-    epochs = [h["epoch"] for h in history]
+def training_curves_png(history: list[EpochMetrics], path: Path) -> Path:
+    epochs = [h.epoch for h in history]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in ((ax_loss, "loss"), (ax_acc, "accuracy")):
-        ax.plot(epochs, [h[f"train_{metric}"] for h in history], "o-", label=f"train {metric}")
-        ax.plot(epochs, [h[f"val_{metric}"] for h in history], "o-", label=f"val {metric}")
+        ax.plot(epochs, [getattr(h, f"train_{metric}") for h in history], "o-", label=f"train {metric}")
+        ax.plot(epochs, [getattr(h, f"val_{metric}") for h in history], "o-", label=f"val {metric}")
         ax.set_xlabel("epoch")
         ax.set_title(metric)
         ax.legend()
