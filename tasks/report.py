@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from mlflow import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
@@ -41,6 +40,7 @@ else 'not promoted'}**, {registration.reason}.
 """
     create_markdown_artifact(markdown=markdown, key="train-flow-report",
                              description="train-flow summary")
-    # The same report is the MLflow run's description (the note the run page shows).
-    MlflowClient(tracking_uri()).set_tag(mlflow_run_id, MLFLOW_RUN_NOTE, markdown)
+    # The same report is the MLflow run's description: the system tag that
+    # `start_run(description=...)` sets and the run page shows.
+    MlflowClient(tracking_uri()).set_tag(mlflow_run_id, "mlflow.note.content", markdown)
     return markdown

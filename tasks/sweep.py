@@ -18,11 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import mlflow
 import optuna
 import sqlalchemy.exc
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from optuna.trial import TrialState
 from prefect import task
 from pydantic import BaseModel, ValidationError
@@ -162,6 +162,7 @@ def run_trials(data: SplitResult, base: TrainingSpec, sweep: SweepSpec, source: 
     logger.info("study %s in %s: %d trials finished, %d to run", name, storage, len(finished),
                 max(0, remaining))
     client = MlflowClient(tracking_uri())
+    mlflow.set_tracking_uri(tracking_uri())  # the trials' runs are opened with the fluent API
     experiment = client.get_run(parent_run_id).info.experiment_id
     slots = device_slots(base, sweep.max_concurrency)
     if (trials_at_once := slots.qsize()) < sweep.max_concurrency:
@@ -175,11 +176,19 @@ def run_trials(data: SplitResult, base: TrainingSpec, sweep: SweepSpec, source: 
         env, launch = slots.get()
         try:
             spec = TrainingSpec(**{**base.model_dump(), **params, **launch})
-            child = client.create_run(experiment, run_name=f"trial-{trial.number}",
-                                      tags={MLFLOW_PARENT_RUN_ID: parent_run_id,
-                                            "trainflow.study": name})
-            trial.set_user_attr(RUN_ATTR, child.info.run_id)
-            return train_trial(trial, spec, data, folder, env, child.info.run_id, client, logger)
+            pruned = None
+            # Nested under the sweep's run; ended FINISHED on a result (pruning is one), FAILED
+            # when the trial raised.
+            with mlflow.start_run(experiment_id=experiment, run_name=f"trial-{trial.number}",
+                                  parent_run_id=parent_run_id,
+                                  tags={"trainflow.study": name}) as child:
+                trial.set_user_attr(RUN_ATTR, child.info.run_id)
+                try:
+                    return train_trial(trial, spec, data, folder, env, child.info.run_id, client,
+                                       logger)
+                except optuna.TrialPruned as e:
+                    pruned = e
+            raise pruned
         finally:
             slots.put((env, launch))
 
@@ -207,17 +216,14 @@ def train_trial(trial: optuna.Trial, spec: TrainingSpec, data: SplitResult, fold
     except optuna.TrialPruned:
         trial.set_user_attr(EPOCHS_ATTR, epochs_run)
         client.set_tag(run_id, TRIAL_STATE, "pruned")
-        client.set_terminated(run_id, "FINISHED")
         logger.info("trial %d pruned after epoch %d", trial.number, epochs_run)
         raise
     except BaseException:
         client.set_tag(run_id, TRIAL_STATE, "failed")
-        client.set_terminated(run_id, "FAILED")
         raise
     trial.set_user_attr(EPOCHS_ATTR, len(result.history))
     trial.set_user_attr(RESULT_ATTR, result.model_dump_json())
     client.set_tag(run_id, TRIAL_STATE, "complete")
-    client.set_terminated(run_id, "FINISHED")
     return result.best_metrics.val_accuracy
 
 

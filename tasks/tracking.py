@@ -9,8 +9,7 @@ from collections.abc import Iterator
 import mlflow
 from mlflow import MlflowClient
 from mlflow.data.sources import LocalArtifactDatasetSource
-from mlflow.entities import DatasetInput, InputTag
-from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+from mlflow.entities import Dataset, DatasetInput, InputTag
 from prefect import task
 from prefect.runtime import flow_run
 
@@ -18,6 +17,9 @@ from tasks.lineage import DATASET_SOURCE, GIT_COMMIT
 from training.data.split import SPLITS, read_manifest
 from training.handoff import SplitResult
 from training.storage import home, tracking_uri
+
+DATASET_CONTEXT = "mlflow.data.context"
+"""The input tag `mlflow.log_input(dataset, context=...)` sets, which the UI shows per dataset."""
 
 
 def experiment_name(kind: str = "train") -> str:
@@ -83,8 +85,8 @@ def split_datasets(source: str, data: SplitResult) -> list[DatasetInput]:
         dataset = mlflow.data.from_pandas(
             frame, source=LocalArtifactDatasetSource(data.root.as_uri()), targets="label",
             name=f"{source} {split}", digest=data.manifest_sha256[:10])
-        inputs.append(DatasetInput(dataset._to_mlflow_entity(),
-                                   tags=[InputTag(MLFLOW_DATASET_CONTEXT, split)]))
+        inputs.append(DatasetInput(Dataset(**dataset.to_dict()),
+                                   tags=[InputTag(DATASET_CONTEXT, split)]))
     return inputs
 
 

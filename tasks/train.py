@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import mlflow
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
@@ -60,19 +63,17 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         elif isinstance(event, Resumed) and main:
             logger.info("resumed from %s (epoch %s done)", event.checkpoint, event.epoch)
 
-    monitor = system_metrics(mlflow_run_id, tracking_uri)
     try:
-        if job.training.num_machines > 1:
-            from tasks.nodes import launch_nodes  # needs a Prefect server and its workers
+        with system_metrics(mlflow_run_id, tracking_uri, logger):
+            if job.training.num_machines > 1:
+                from tasks.nodes import launch_nodes  # needs a Prefect server and its workers
 
-            events = launch_nodes(job.training, job_file, job.output_dir, resume, logger,
-                                  on_event)
-        else:
-            events = launch(job.training, "training.train", args, job.output_dir, logger,
-                            on_event, extra_env)
+                events = launch_nodes(job.training, job_file, job.output_dir, resume, logger,
+                                      on_event)
+            else:
+                events = launch(job.training, "training.train", args, job.output_dir, logger,
+                                on_event, extra_env)
     finally:
-        if monitor is not None:
-            monitor.finish()
         unsent = tracker.flush()  # what the finished epochs logged is kept even on failure
     result = last_from_rank_0(events, Trained)
     if result is None:
@@ -97,16 +98,35 @@ def evaluation_dir(job: TrainJob) -> Path:
     return job.output_dir.parent / "evaluation"
 
 
-def system_metrics(run_id: str | None, tracking_uri: str | None):
-    """CPU, memory (and GPU, with pynvml) of this machine during training, in the MLflow run."""
-    if run_id is None:
-        return None
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+@contextlib.contextmanager
+def system_metrics(run_id: str | None, tracking_uri: str | None, logger) -> Iterator[None]:
+    """CPU, memory (and GPU, with nvidia-ml-py) of this machine during training, as the MLflow
+    run's system/* metrics: MLflow's own monitor, started by `start_run(log_system_metrics=True)`.
 
-    monitor = SystemMetricsMonitor(run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S,
-                                   tracking_uri=tracking_uri)
-    monitor.start()
-    return monitor
+    MLflow being unreachable costs the system metrics, never the training.
+    """
+    if run_id is None:
+        yield
+        return
+    try:
+        if tracking_uri:
+            mlflow.set_tracking_uri(tracking_uri)  # the fluent API reads the global URI
+        mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
+        mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None,
+                         log_system_metrics=True)
+    except Exception as e:
+        logger.warning("no system metrics in MLflow for this training: %s", e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            # Stops the monitor. The run stays open (RUNNING): whoever opened it (the flow, a
+            # sweep trial) ends it with its outcome.
+            mlflow.end_run("RUNNING")
+        except Exception as e:
+            logger.warning("MLflow did not take the end of the system metrics: %s", e)
 
 
 @task(retries=1, retry_delay_seconds=2, task_run_name="train-{training.model}")
