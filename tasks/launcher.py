@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +21,11 @@ from queue import Empty, Queue
 from training.config import TrainingSpec
 from training.engine.events import Event, Failed
 from training.engine.progress import TASK_REPORTS, ProgressReader
-from training.processes import free_port, kill_tree, tied_to_parent
+from training.processes import free_port, kill_tree, port_in_use, tied_to_parent
 
 STARTUP_TIMEOUT_S = 180.0
 
 PORT_ATTEMPTS = 3
-PORT_TAKEN = ("EADDRINUSE", "address already in use")
 
 
 class LaunchFailed(RuntimeError):
@@ -172,21 +170,23 @@ class Watchdog:
 
 def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch: LaunchWatch,
                cwd: Path | None = None) -> list[Event]:
-    """Run the launch to the end; on failure, hang, timeout or interruption kill its group."""
+    """Run the launch to the end; on failure, hang, timeout or interruption kill its group.
+
+    A launch that failed before any rank reported, while another process listens on its
+    rendezvous port, lost that port: PortTaken.
+    """
     reader = ProgressReader(output_dir)
     reader.skip_existing()
     lines: Queue[str | None] = Queue()
     proc = subprocess.Popen(tied_to_parent(command), env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace",
                             start_new_session=True, bufsize=1)
-    tail: deque[str] = deque(maxlen=200)
     # A dying rank and torchrun print tracebacks; a rank that reported its error carries it in
     # its `error` event, which the failure shows once. So from the first traceback on, the
     # output waits for the end: dropped then if a rank reported the failure, else logged.
     held: list[str] = []
 
     def on_line(line: str) -> None:
-        tail.append(line)
         if held or line.split("]: ", 1)[-1].startswith("Traceback (most recent call last)"):
             held.append(line)
         else:
@@ -215,8 +215,9 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
             watch.events.append(event)
             watch.on_event(event)
         if proc.returncode != 0:
-            if any(mark in line.lower() for line in tail for mark in map(str.lower, PORT_TAKEN)):
-                raise PortTaken("the rendezvous port was taken by another process")
+            port = rendezvous_port(command)
+            if port is not None and not watch.events and port_in_use(port):
+                raise PortTaken(f"the rendezvous port {port} was taken by another process")
             raise LaunchFailed(*failure(proc.returncode, watch.events))
         return watch.events
     finally:
@@ -236,7 +237,7 @@ def launch(spec: TrainingSpec, module: str, args: list[str], output_dir: Path,
     """
     for attempt in range(1, PORT_ATTEMPTS + 1):
         env = launch_env(extra_env)
-        command = launch_command(spec, module, args, env=env)
+        command = launch_command(spec, module, args, port=free_port(), env=env)
         logger.info("launching: %s", " ".join(command))
         watch = LaunchWatch(on_line=lambda line: logger.info("%s", line), on_event=on_event,
                             hang_timeout_s=spec.hang_timeout_s, timeout_s=spec.timeout_s)
@@ -251,6 +252,13 @@ def launch(spec: TrainingSpec, module: str, args: list[str], output_dir: Path,
                 logger.error("%s\n%s", failed, failed.traceback.rstrip())
             raise
     raise AssertionError("unreachable")
+
+
+def rendezvous_port(command: list[str]) -> int | None:
+    """The port the launch's store listens on, if the command names one."""
+    if "--main_process_port" not in command:
+        return None
+    return int(command[command.index("--main_process_port") + 1])
 
 
 def _pump(proc: subprocess.Popen, lines: Queue) -> None:

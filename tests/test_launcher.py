@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
 import pytest
@@ -11,39 +12,66 @@ from tasks import launcher
 from training.config import TrainingSpec
 
 LOG = logging.getLogger("test-launcher")
-# Fails like torchrun does when another launch took its port between choice and bind, once.
-FLAKY = """
-import pathlib, sys
-marker = pathlib.Path(sys.argv[1])
-if not marker.exists():
-    marker.write_text("taken")
-    print("RuntimeError: The server socket has failed to listen on any local network address. "
-          "port: 29500, useIpv6: 0, code: -98, name: EADDRINUSE, message: address already in use")
-    sys.exit(1)
-print("trained")
+# Binds its rendezvous port as torchrun's store does, and fails as it does when it cannot.
+STORE = """
+import socket, sys
+with socket.socket() as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("", int(sys.argv[1])))
+    s.listen()
+    print("trained")
 """
 
 
-def test_a_taken_rendezvous_port_is_retried_on_a_new_port(tmp_path, monkeypatch):
-    commands = []
-
+def _store_on_the_launch_port(taken: list[socket.socket], steal_first: bool):
+    """A launch_command that runs STORE on the port the launcher chose; the first time, another
+    process (this test) listens there first."""
     def command(spec, module, args, port=None, env=None):
-        commands.append(launcher.free_port())
-        return [sys.executable, "-c", FLAKY, str(tmp_path / "taken")]
+        port = spec.main_process_port or port
+        if steal_first and not taken:
+            thief = socket.socket()
+            thief.bind(("127.0.0.1", port))
+            thief.listen()
+            taken.append(thief)
+        return [sys.executable, "-c", STORE, str(port), "--main_process_port", str(port)]
+    return command
 
-    monkeypatch.setattr(launcher, "launch_command", command)
+
+def test_a_taken_rendezvous_port_is_retried_on_a_new_port(tmp_path, monkeypatch):
+    taken: list[socket.socket] = []
+    monkeypatch.setattr(launcher, "launch_command", _store_on_the_launch_port(taken, True))
     lines = []
     monkeypatch.setattr(LOG, "info", lambda fmt, *args: lines.append(fmt % args))
-    launcher.launch(TrainingSpec(), "training.train", [], tmp_path, LOG, lambda event: None)
-    assert len(commands) == 2 and "trained" in lines
+    try:
+        launcher.launch(TrainingSpec(), "training.train", [], tmp_path, LOG, lambda event: None)
+    finally:
+        for s in taken:
+            s.close()
+    launched = [line for line in lines if line.startswith("launching: ")]
+    assert len(launched) == 2 and "trained" in lines
+    assert launched[0].split()[-1] != launched[1].split()[-1]  # on a new port
 
 
 def test_a_taken_port_the_user_chose_is_an_error(tmp_path, monkeypatch):
+    taken: list[socket.socket] = []
+    monkeypatch.setattr(launcher, "launch_command", _store_on_the_launch_port(taken, True))
+    try:
+        with pytest.raises(launcher.PortTaken, match="port 29555 was taken"):
+            launcher.launch(TrainingSpec(main_process_port=29555), "training.train", [],
+                            tmp_path, LOG, lambda event: None)
+    finally:
+        for s in taken:
+            s.close()
+
+
+def test_a_failure_with_the_port_free_is_not_mistaken_for_a_taken_port(tmp_path, monkeypatch):
+    port = launcher.free_port()
     monkeypatch.setattr(launcher, "launch_command", lambda *a, **k: [
-        sys.executable, "-c", FLAKY, str(tmp_path / "taken")])
-    with pytest.raises(launcher.PortTaken):
-        launcher.launch(TrainingSpec(main_process_port=29555), "training.train", [], tmp_path,
-                        LOG, lambda event: None)
+        sys.executable, "-c", "raise SystemExit('out of memory')", "--main_process_port",
+        str(port)])
+    with pytest.raises(launcher.LaunchFailed) as failed:
+        launcher.launch(TrainingSpec(), "training.train", [], tmp_path, LOG, lambda e: None)
+    assert not isinstance(failed.value, launcher.PortTaken)
 
 
 def test_a_machine_of_several_joins_by_c10d_and_only_machine_0_hosts_the_store():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import signal
 import socket
@@ -29,6 +30,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    """True while some process listens on `port`, on any address: binding it is refused."""
+    with socket.socket() as s:
+        # Connections of a launch that just ended linger in TIME_WAIT; they do not count.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
 
 
 def alive(pid: int) -> bool:
