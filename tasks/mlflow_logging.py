@@ -62,8 +62,8 @@ class EpochLogger:
             except Exception as first:
                 try:
                     self._send(batch, synchronous=True)
-                except Exception as e:
-                    if not _already_logged(batch, e):
+                except Exception:
+                    if not self._already_logged(batch):
                         unsent += 1
                         self._on_error(f"{type(first).__name__}: {str(first)[:300]}")
         self._sent.clear()
@@ -76,6 +76,17 @@ class EpochLogger:
             self._sent.append((batch, self._send(batch, synchronous=False)))
         except Exception as e:  # the client could not even be made: keep the batch for flush
             self._sent.append((batch, e))
+
+    def _already_logged(self, batch: dict) -> bool:
+        """A resumed training reports its params again, which MLflow refuses to log twice:
+        refused params that the run already holds with the same values are not lost."""
+        if "params" not in batch:
+            return False
+        try:
+            held = self._client.result().get_run(self.run_id).data.params
+        except Exception:
+            return False
+        return all(held.get(k) == v for k, v in batch["params"].items())
 
     def _send(self, batch: dict, synchronous: bool):
         from mlflow.entities import Metric, Param
@@ -92,8 +103,3 @@ def _client(tracking_uri: str | None):
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=tracking_uri)
-
-
-def _already_logged(batch: dict, error: Exception) -> bool:
-    # A resumed training reports the same params again; MLflow refuses to change them.
-    return "params" in batch and "Changing param values is not allowed" in str(error)
