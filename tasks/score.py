@@ -20,8 +20,7 @@ from tasks.launcher import launch
 from tasks.tracking import experiment_id, experiment_name
 from trainflow_serving.images import IMAGE_EXTENSIONS
 from training.config import DatasetSpec, TrainingSpec
-from training.data.kaggle import download
-from training.data.sources import check_source, source_root, write_digits
+from training.data.sources import fetch
 from training.engine.events import ScoringFinished, last_from_rank_0
 from training.storage import home, tracking_uri, write_text_atomic
 
@@ -87,21 +86,13 @@ def resolve_model(model_name: str, alias: str, folder: Path) -> ScoringModel:
 def find_images(images: str, subdir: str | None = None) -> Images:
     """The image files of a folder, of a Kaggle competition's unlabelled test set, or of a
     built-in dataset."""
-    if images.startswith("builtin:"):
-        spec = DatasetSpec(source=images)
-        root = write_digits(source_root(spec, home()))
-    elif not images.startswith("kaggle:"):
-        root = Path(images).expanduser()
-        if not root.is_dir():
-            raise ScoringError(f"images {images!r} is not a folder; give a folder of images, "
-                               '"kaggle:competitions/<slug>" or "builtin:digits"')
-    else:
-        spec = DatasetSpec(source=images)
-        check_source(spec)
-        kind, ref = spec.kaggle_ref
-        root = download(kind, ref, source_root(spec, home()), credentials_from_secret_block())
-        if subdir is None:
-            subdir = next((d for d in KAGGLE_TEST_FOLDERS if (root / d).is_dir()), None)
+    if not images.startswith(("builtin:", "kaggle:")) and not Path(images).expanduser().is_dir():
+        raise ScoringError(f"images {images!r} is not a folder; give a folder of images, "
+                           '"kaggle:competitions/<slug>" or "builtin:digits"')
+    spec = DatasetSpec(source=images)
+    root = fetch(spec, home(), credentials_from_secret_block() if spec.kind == "kaggle" else None)
+    if spec.kind == "kaggle" and subdir is None:
+        subdir = next((d for d in KAGGLE_TEST_FOLDERS if (root / d).is_dir()), None)
     root = root / subdir if subdir else root
     paths = sorted(p for p in root.rglob("*")
                    if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())

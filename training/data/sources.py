@@ -55,8 +55,10 @@ def check_source(spec: DatasetSpec) -> None:
         )
 
 
-def prepare(spec: DatasetSpec, home: Path, credentials: KaggleCredentials | None = None,
-            warn=None) -> DatasetRef:
+def fetch(spec: DatasetSpec, home: Path, credentials: KaggleCredentials | None = None,
+          warn=None) -> Path:
+    """The source's files on this machine, written or downloaded first where needed: the one
+    place a source string becomes a folder (training and predict-flow alike)."""
     check_source(spec)
     root = source_root(spec, home)
     if spec.kind == "builtin":
@@ -65,6 +67,12 @@ def prepare(spec: DatasetSpec, home: Path, credentials: KaggleCredentials | None
         kind, ref = spec.kaggle_ref
         root = download(kind, ref, root, credentials, retries=spec.download_retries,
                         version=spec.version, warn=warn)
+    return root
+
+
+def prepare(spec: DatasetSpec, home: Path, credentials: KaggleCredentials | None = None,
+            warn=None) -> DatasetRef:
+    root = fetch(spec, home, credentials, warn)
     images_root = root / spec.subdir if spec.subdir else root
     pairs = list_labelled_files(images_root, spec.labels, root)
     counts = Counter(label for _, label in pairs)
