@@ -25,7 +25,7 @@ from training.data.cache import CachedImages, decode_split, split_sides
 from training.engine.events import Evaluated, Heartbeat
 from training.engine.progress import ProgressWriter, Rank, start_rank
 from training.evaluation.metrics import compute_metrics, predictions_csv
-from training.handoff import JobFileError, TrainJob
+from training.handoff import TrainJob, job_for_ranks
 from training.models.build import load_trained, preprocessing_for
 from training.processes import die_with_parent
 from training.storage import write_json_atomic, write_text_atomic
@@ -107,10 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     die_with_parent()
-    try:
-        job = TrainJob.load(args.job)
-    except JobFileError as e:
-        raise SystemExit(str(e)) from None
+    job = job_for_ranks(args.job)
     accelerator = Accelerator()
     rank, progress = start_rank(accelerator, args.out)
     with progress.reporting_errors():

@@ -87,6 +87,15 @@ class TrainJob(Spec):
             raise JobFileError(f"job file {path} is not a valid training job: {e}") from None
 
 
+def job_for_ranks(path: Path) -> TrainJob:
+    """The job an entry point was started with; a bad job file ends every rank with its one-line
+    reason before any work, instead of a traceback per rank."""
+    try:
+        return TrainJob.load(path)
+    except JobFileError as e:
+        raise SystemExit(str(e)) from None
+
+
 class TrainResult(BaseModel):
     """What a training launch produced, with everything needed to use its weights."""
 

@@ -51,7 +51,7 @@ from training.engine.hooks import rank_hooks
 from training.engine.loop import Learner, train_one_epoch, validate
 from training.engine.progress import ProgressWriter, Rank, start_rank, task_reports
 from training.engine.schedule import EarlyStopping, continue_after, make_optimizer, make_scheduler
-from training.handoff import JobFileError, TrainJob
+from training.handoff import TrainJob, job_for_ranks
 from training.models.build import load_trained, model_for, preprocessing_for
 from training.processes import die_with_parent
 from training.storage import write_json_atomic
@@ -231,10 +231,7 @@ def main(argv: list[str] | None = None) -> None:
                         "named by MLFLOW_RUN_ID, else a new one); train-flow does not need it")
     args = parser.parse_args(argv)
     die_with_parent()
-    try:
-        job = TrainJob.load(args.job)
-    except JobFileError as e:
-        raise SystemExit(str(e)) from None
+    job = job_for_ranks(args.job)
     accelerator = make_accelerator(job, args.log_with)
     rank, progress = start_rank(accelerator, job.output_dir)  # passed everywhere
     with progress.reporting_errors():
