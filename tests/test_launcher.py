@@ -106,3 +106,15 @@ def test_the_cpu_switch_reaches_a_launch_only_where_meant(monkeypatch, cuda, exp
         else:
             monkeypatch.setenv(name, value)
     assert launcher.launch_env().get("ACCELERATE_USE_CPU") == expected
+
+
+@pytest.mark.slow
+def test_a_real_launch_whose_port_another_process_holds_is_port_taken(tmp_path):
+    """torchrun's own failure to bind, recognised without reading its message."""
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", 0))
+        thief.listen()
+        spec = TrainingSpec(num_processes=2, main_process_port=thief.getsockname()[1])
+        with pytest.raises(launcher.PortTaken):
+            launcher.launch(spec, "training.train", ["--job", str(tmp_path / "none.json")],
+                            tmp_path, LOG, lambda event: None)
