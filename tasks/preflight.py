@@ -112,6 +112,16 @@ def check_training(training: TrainingSpec, gpus: list[Gpu] | None = None) -> Non
             'times slower than fp32; use mixed_precision="no" here, bf16 on a GPU')
     if training.num_machines > 1:
         check_machines(training)
+    if ":" in training.model:
+        from trainflow_serving.networks import UserModelError, user_network
+
+        try:
+            user_network(training.model, num_classes=2)
+        except UserModelError as e:
+            raise PreflightError(str(e)) from None
+    if training.weights and not Path(training.weights).is_file():
+        raise PreflightError(f"training.weights {training.weights} does not exist on this "
+                             "machine; give the path of a safetensors or state-dict file")
     if training.pretrained:
         from training.models.build import pretrained_weights_file
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import importlib.metadata
+import importlib.util
 import json
 import tempfile
 import time
@@ -83,6 +84,21 @@ class Registration(BaseModel):
         return f"{text}: {outcome}, {self.reason}.{warning}"
 
 
+def code_paths(model_name: str) -> list[str]:
+    """What the served model imports: the serving package, and a user's `<module>:<callable>`
+    network's top-level package (or module file), so it loads where that code is absent."""
+    paths = [str(SERVING_DIR)]
+    if ":" in model_name:
+        top = model_name.partition(":")[0].split(".")[0]
+        spec = importlib.util.find_spec(top)
+        if spec is None or spec.origin is None and not spec.submodule_search_locations:
+            raise RuntimeError(f"the module of training.model {model_name} is not importable "
+                               "here, so it cannot travel with the registered model")
+        locations = list(spec.submodule_search_locations or [])
+        paths.append(locations[0] if locations else spec.origin)
+    return paths
+
+
 def log_model(trained: TrainResult, run_id: str) -> str:
     """Log the model from code (trainflow_serving/pyfunc_model.py), nothing of ours pickled.
 
@@ -111,7 +127,8 @@ def log_model(trained: TrainResult, run_id: str) -> str:
         description_file = Path(tmp) / "description.json"
         description_file.write_text(json.dumps(description, indent=2))
         model_info = mlflow.pyfunc.log_model(
-            name="model", python_model=str(SERVED_MODEL), code_paths=[str(SERVING_DIR)],
+            name="model", python_model=str(SERVED_MODEL),
+            code_paths=code_paths(trained.job.training.model),
             artifacts={WEIGHTS_ARTIFACT: str(trained.weights),
                        DESCRIPTION_ARTIFACT: str(description_file)},
             signature=signature, metadata=description,

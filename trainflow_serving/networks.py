@@ -3,8 +3,15 @@ safetensors file, training from its own initialisation or pretrained weights."""
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import nn
+
+
+class UserModelError(ValueError):
+    """A `<module>:<callable>` model that cannot be built; the message names the module, the
+    callable and what went wrong."""
 
 
 class BasicNet(nn.Module):
@@ -28,10 +35,40 @@ class BasicNet(nn.Module):
         return self.fc2(x)
 
 
+def is_user_model(model_name: str) -> bool:
+    """`<module>:<callable>`: a network of the user's own."""
+    return ":" in model_name
+
+
+def user_network(model_name: str, num_classes: int) -> nn.Module:
+    """The user's `<module>:<callable>` called with `num_classes=`."""
+    module_name, _, attribute = model_name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UserModelError(
+            f"training.model {model_name!r}: cannot import module {module_name!r} ({e}); "
+            "install it or put its folder on PYTHONPATH where the ranks run") from None
+    factory = module
+    for part in attribute.split("."):
+        factory = getattr(factory, part, None)
+    if not callable(factory):
+        raise UserModelError(f"training.model {model_name!r}: module {module_name} has no "
+                             f"callable {attribute!r}")
+    network = factory(num_classes=num_classes)
+    if not isinstance(network, nn.Module):
+        raise UserModelError(
+            f"training.model {model_name!r}: {module_name}.{attribute}(num_classes="
+            f"{num_classes}) returned {type(network).__name__}, not a torch.nn.Module")
+    return network
+
+
 def build_network(model_name: str, num_classes: int, channels: int, image_size: int) -> nn.Module:
     """`model_name`'s architecture with random weights and a `num_classes` head."""
     if model_name == "basicnet":
         return BasicNet(num_classes, channels, image_size)
+    if is_user_model(model_name):
+        return user_network(model_name, num_classes)
     import torchvision
 
     return torchvision.models.get_model(model_name, weights=None, num_classes=num_classes)

@@ -28,6 +28,7 @@ from pydantic import (
 
 _KAGGLE_COMPETITION = re.compile(r"^kaggle:competitions/([a-z0-9][a-z0-9-]*)$")
 _KAGGLE_DATASET = re.compile(r"^kaggle:datasets/([A-Za-z0-9_-]+)/([A-Za-z0-9][A-Za-z0-9_.-]*)$")
+_USER_MODEL = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
 BUILTIN_DATASETS = ("digits",)
 
@@ -205,10 +206,17 @@ class TrainingSpec(Spec):
 
     model: Annotated[str, Role.RECIPE] = Field(
         "basicnet",
-        description='"basicnet", "resnet18", "vgg16" or any torchvision classification model.',
+        description='"basicnet", "resnet18", "vgg16" or any torchvision classification model, '
+        'or your own network as "<module>:<callable>" (e.g. "mypkg.nets:build"): importable '
+        "where the ranks run, called with num_classes=, returning a torch.nn.Module; its "
+        "module travels with the registered model.",
     )
     pretrained: Annotated[bool, Role.RECIPE] = Field(
         False, description="Load torchvision weights from the torch cache.")
+    weights: Annotated[str | None, Role.RECIPE] = Field(
+        None, description="A weights file to start from, for any model: safetensors, or a "
+        "state dict saved with torch.save (read without unpickling code). The head is new "
+        "when the file's has another class count; inputs are normalised as for ImageNet.")
     image_size: Annotated[int, Role.RECIPE] = Field(
         28, ge=8, le=1024, description="Square input size in pixels.")
     epochs: Annotated[int, Role.BUDGET] = Field(2, ge=1, le=10_000)
@@ -311,11 +319,12 @@ class TrainingSpec(Spec):
     @field_validator("model")
     @classmethod
     def _known_model(cls, model: str) -> str:
-        if model == "basicnet" or model in torchvision_model_names():
+        if model == "basicnet" or model in torchvision_model_names() or _USER_MODEL.match(model):
             return model
         raise ValueError(
             f"unknown model {model!r}; use \"basicnet\", \"resnet18\", \"vgg16\" or another "
-            "name from torchvision.models.list_models()"
+            "name from torchvision.models.list_models(), or your own network as "
+            '"<module>:<callable>", e.g. "mypkg.nets:build"'
         )
 
     @field_validator("num_processes")
@@ -351,9 +360,17 @@ class TrainingSpec(Spec):
         if self.warmup_epochs >= self.epochs and self.warmup_epochs > 0:
             raise ValueError(f"training.warmup_epochs {self.warmup_epochs:g} must be below "
                              f"training.epochs {self.epochs}, e.g. warmup_epochs=1, epochs=10")
-        if self.freeze_backbone and not self.pretrained:
+        if self.freeze_backbone and not (self.pretrained or self.weights):
             raise ValueError("training.freeze_backbone needs pretrained weights to freeze: set "
-                             "training.pretrained=true, or freeze_backbone=false")
+                             "training.pretrained=true or training.weights, or "
+                             "freeze_backbone=false")
+        if self.pretrained and self.weights:
+            raise ValueError("give training.pretrained=true (torchvision's weights) or "
+                             "training.weights (a file), not both")
+        if self.pretrained and ":" in self.model:
+            raise ValueError(f"training.pretrained loads torchvision's weights, which "
+                             f"{self.model} has none of: give training.weights, or load the "
+                             "weights in your callable")
         if self.freeze_backbone and self.model == "basicnet":
             raise ValueError('training.freeze_backbone needs a torchvision model, e.g. "resnet18"')
         return self

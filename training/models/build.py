@@ -3,10 +3,11 @@ pretrained weights and a new head when asked."""
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model
+from safetensors.torch import load_file, load_model
 from torch import nn
 
 from trainflow_serving.networks import build_network
@@ -22,6 +23,7 @@ def input_channels(model_name: str, data_channels: int) -> int:
 
 
 def normalization(model_name: str, pretrained: bool, channels: int) -> tuple[list[float], list[float]]:
+    """ImageNet's for pretrained weights (torchvision's, or a weights file), else 0.5 +- 0.5."""
     if pretrained:
         return list(IMAGENET_MEAN), list(IMAGENET_STD)
     return [0.5] * channels, [0.5] * channels
@@ -82,16 +84,56 @@ def preprocessing_for(job: TrainJob) -> Preprocessing:
     """The input the job's model expects: its size, channels and normalisation."""
     spec = job.training
     channels = input_channels(spec.model, job.split.channels)
-    mean, std = normalization(spec.model, spec.pretrained, channels)
+    mean, std = normalization(spec.model, spec.pretrained or bool(spec.weights), channels)
     return Preprocessing(image_size=spec.image_size, channels=channels, mean=mean, std=std)
 
 
 def model_for(job: TrainJob, pretrained: bool | None = None) -> nn.Module:
-    """A new model shaped for the job's data (classes, channels, size)."""
+    """A new model shaped for the job's data (classes, channels, size), with the starting
+    weights the spec names (`pretrained=False`: none, trained weights are loaded next)."""
     spec = job.training
-    return build_model(spec.model, len(job.split.class_names),
-                       input_channels(spec.model, job.split.channels), spec.image_size,
-                       spec.pretrained if pretrained is None else pretrained)
+    model = build_model(spec.model, len(job.split.class_names),
+                        input_channels(spec.model, job.split.channels), spec.image_size,
+                        spec.pretrained if pretrained is None else pretrained)
+    if spec.weights and pretrained is None:
+        load_starting_weights(model, Path(spec.weights), spec.model)
+    return model
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors by name from safetensors, or from a torch.save'd state dict without unpickling
+    anything but tensors (a bare one, or one under "state_dict")."""
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"weights {path} hold more than tensors, which is refused (nothing "
+                         f"is unpickled): {str(e).splitlines()[0]}; save model.state_dict() "
+                         "or safetensors instead") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"weights {path} are not a state dict (names to tensors)")
+    return state
+
+
+def load_starting_weights(model: nn.Module, path: Path, model_name: str) -> None:
+    """`path`'s weights into `model`; a head of another class count is left new, as transfer
+    learning does. Anything else that does not fit is an error naming the layers."""
+    if not path.is_file():
+        raise FileNotFoundError(f"training.weights {path} does not exist")
+    state = {k.removeprefix("module."): v for k, v in read_state_dict(path).items()}
+    own, head = model.state_dict(), _head_name(model) + "."
+    resized = {k for k, v in state.items() if k in own and own[k].shape != v.shape}
+    missing, unexpected = model.load_state_dict(
+        {k: v for k, v in state.items() if k not in resized}, strict=False)
+    wrong = sorted(unexpected) + sorted(k for k in resized | set(missing)
+                                        if not k.startswith(head))
+    if wrong:
+        raise ValueError(f"weights {path} do not fit {model_name}: {', '.join(wrong[:6])}"
+                         f"{' ...' if len(wrong) > 6 else ''} are not in both, or differ in "
+                         "shape; give weights saved from this network")
 
 
 def load_trained(job: TrainJob, weights: Path) -> nn.Module:

@@ -1,0 +1,153 @@
+"""Models users already have: their own network as `<module>:<callable>`, and weights from a
+file (`training.weights`), trained, registered and served where their code is not installed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import mlflow
+import pandas as pd
+import pytest
+import torch
+from mlflow import MlflowClient
+from safetensors.torch import save_file
+
+from tasks.evaluate import evaluate_model
+from tasks.lineage import FLOW_RUN_ID
+from tasks.preflight import PreflightError, check_training
+from tasks.register import register_model
+from tasks.train import run_training
+from training.config import RegistrySpec, TrainingSpec
+from training.data.split import read_manifest
+from training.handoff import TrainJob
+from training.models.build import model_for
+
+NETS = textwrap.dedent("""
+    from torch import nn
+
+    def small(num_classes):
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+                             nn.Flatten(), nn.Linear(8 * 16, 32), nn.ReLU(),
+                             nn.Linear(32, num_classes))
+
+    def not_a_module(num_classes):
+        return {"layers": num_classes}
+""")
+
+
+@pytest.fixture
+def user_code(tmp_path, monkeypatch):
+    """A package `teamnets` that only this test's path can import (the ranks inherit it)."""
+    folder = tmp_path / "code"
+    (folder / "teamnets").mkdir(parents=True)
+    (folder / "teamnets" / "__init__.py").write_text("")
+    (folder / "teamnets" / "convs.py").write_text(NETS)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", str(folder))
+    return folder
+
+
+@pytest.mark.parametrize(("model", "needle"), [
+    ("nosuchpkg.nets:build", "cannot import module 'nosuchpkg.nets'"),
+    ("teamnets.convs:missing", "module teamnets.convs has no callable 'missing'"),
+    ("teamnets.convs:not_a_module", "teamnets.convs.not_a_module(num_classes=2) returned dict, "
+                                    "not a torch.nn.Module"),
+])
+def test_a_user_model_that_cannot_be_built_is_refused_before_any_work(user_code, model, needle):
+    with pytest.raises(PreflightError, match="training.model") as error:
+        check_training(TrainingSpec(model=model, num_processes=1), gpus=[])
+    assert needle in str(error.value)
+
+
+def test_a_model_name_must_be_a_catalogue_name_or_module_and_callable():
+    with pytest.raises(ValueError, match='"<module>:<callable>"'):
+        TrainingSpec(model="teamnets/convs.py:small")
+
+
+def test_weights_from_a_file_load_with_a_new_head_for_other_classes(digits_split, user_code,
+                                                                     tmp_path):
+    _, split = digits_split
+    job = TrainJob(split=split, output_dir=tmp_path / "a",
+                   training={"model": "teamnets.convs:small", "image_size": 12})
+    source = model_for(job)
+    # Weights of the same network trained for 4 classes: the body loads, the head is new.
+    donor = {k: v for k, v in source.state_dict().items()}
+    donor["6.weight"], donor["6.bias"] = torch.randn(4, 32), torch.randn(4)
+    save_file(donor, tmp_path / "donor.safetensors")
+    job = job.model_copy(update={"training": job.training.model_copy(
+        update={"weights": str(tmp_path / "donor.safetensors")})})
+    loaded = model_for(job)
+    assert torch.equal(loaded.state_dict()["0.weight"], donor["0.weight"])
+    assert loaded.state_dict()["6.weight"].shape == (10, 32)
+    # A state dict saved by torch.save loads too, without unpickling code.
+    torch.save({"state_dict": donor}, tmp_path / "donor.pt")
+    job = job.model_copy(update={"training": job.training.model_copy(
+        update={"weights": str(tmp_path / "donor.pt")})})
+    assert torch.equal(model_for(job).state_dict()["0.weight"], donor["0.weight"])
+
+
+def test_weights_of_another_network_are_refused_naming_the_layers(digits_split, user_code,
+                                                                  tmp_path):
+    _, split = digits_split
+    save_file({"conv1.weight": torch.zeros(32, 1, 3, 3)}, tmp_path / "other.safetensors")
+    job = TrainJob(split=split, output_dir=tmp_path / "a",
+                   training={"model": "teamnets.convs:small", "image_size": 12,
+                             "weights": str(tmp_path / "other.safetensors")})
+    with pytest.raises(ValueError, match="do not fit teamnets.convs:small") as error:
+        model_for(job)
+    assert "conv1.weight" in str(error.value)
+
+
+LOAD_WITHOUT_THE_CODE = r"""
+import base64, json, sys, importlib.util
+sys.path.append(sys.argv[1])  # the environment's packages only: no project, no teamnets
+assert importlib.util.find_spec("teamnets") is None
+import mlflow, pandas as pd
+model = mlflow.pyfunc.load_model(sys.argv[2])
+out = model.predict(pd.DataFrame({"image": [base64.b64decode(b) for b in json.load(sys.stdin)]}))
+leaked = [n for n in ("training", "tasks", "flows") if importlib.util.find_spec(n)]
+print(json.dumps({"labels": list(out["label"]), "leaked": leaked}))
+"""
+
+
+@pytest.mark.slow
+def test_a_user_model_trains_registers_and_serves_without_its_code_installed(
+        digits_split, user_code, tmp_path):
+    _, split = digits_split
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = TrainJob(split=split, output_dir=tmp_path / "train",
+                   training={"model": "teamnets.convs:small", "image_size": 12, "epochs": 2,
+                             "num_processes": 2})
+    trained = run_training(job, logging.getLogger("t"))
+    assert trained.world_size == 2 and trained.best_metrics.val_accuracy > 0.2  # chance 0.1
+    client = MlflowClient(uri)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        experiment = client.create_experiment("users", artifact_location=(tmp_path / "a").as_uri())
+        run_id = client.create_run(experiment).info.run_id
+        evaluation = evaluate_model.fn(trained, run_id)
+        registration = register_model.fn(trained, evaluation, RegistrySpec(model_name="team"),
+                                         run_id, {FLOW_RUN_ID: "users"})
+    assert registration.promoted
+    files = {a.path for a in client.list_artifacts(run_id, "model/code")}
+    assert files == {"model/code/trainflow_serving", "model/code/teamnets"}
+    tests = [p for p, _, s in read_manifest(split.manifest) if s == "test"][:4]
+    images = [base64.b64encode((split.root / p).read_bytes()).decode() for p in tests]
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", LOAD_WITHOUT_THE_CODE, sysconfig.get_paths()["purelib"],
+         "models:/team@champion"], input=json.dumps(images), capture_output=True, text=True,
+        cwd=tmp_path, timeout=300,
+        env={"MLFLOW_TRACKING_URI": uri, "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    served = json.loads(done.stdout.strip().splitlines()[-1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        here = mlflow.pyfunc.load_model("models:/team@champion").predict(pd.DataFrame(
+            {"image": [(split.root / p).read_bytes() for p in tests]}))
+    assert served["leaked"] == [] and served["labels"] == list(here["label"])
