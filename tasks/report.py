@@ -14,6 +14,14 @@ from training.handoff import SplitResult, TrainResult
 from training.storage import tracking_uri
 
 
+def how_split(split: SplitResult) -> str:
+    if split.given_splits is None:
+        return "split by the flow, stratified"
+    folders = ", ".join(f"{folder}/ as {name}" for folder, name in split.given_splits.items())
+    carved = "" if "val" in split.given_splits.values() else "; val carved from train"
+    return f"as given: {folders}{carved}"
+
+
 @task
 def publish_report(dataset: DatasetRef, split: SplitResult, trained: TrainResult,
                    evaluation: Evaluation, registration: Registration, mlflow_run_id: str) -> str:
@@ -23,7 +31,8 @@ def publish_report(dataset: DatasetRef, split: SplitResult, trained: TrainResult
     markdown = f"""# train-flow result
 
 **Dataset** `{dataset.source}`: {dataset.image_count} images, {len(dataset.class_names)} classes,
-fingerprint `{dataset.fingerprint[:12]}`; split {counts}; quarantined {split.quarantined}.
+fingerprint `{dataset.fingerprint[:12]}`; split {counts} ({how_split(split)}); quarantined
+{split.quarantined}.
 
 **Training** world size {trained.world_size}, best epoch {trained.best_epoch}
 (val accuracy {trained.best_metrics.val_accuracy:.4f}).

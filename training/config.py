@@ -158,6 +158,11 @@ class SplitSpec(Spec):
     val_fraction: float = Field(0.1, gt=0, lt=1, description="Share of each class for validation.")
     test_fraction: float = Field(0.1, gt=0, lt=1, description="Share of each class for testing.")
     seed: int = Field(42, description="Seed of the per-file hash that assigns splits.")
+    respect_given: bool = Field(
+        True, description="A folder that comes split (train/ and test/, optionally val/ or "
+        "valid/, each with one folder per class) keeps its splits: the given test set is the "
+        "test set, and without a val folder val is carved from train (val_fraction of it). "
+        "False: all its images are split as any other folder's.")
 
     @model_validator(mode="after")
     def _fractions_leave_training_data(self) -> SplitSpec:

@@ -31,6 +31,8 @@ class SplitResult(BaseModel):
     """1 when every image is grayscale, else 3"""
     root: Path
     """The folder the manifest's paths are relative to."""
+    given_splits: dict[str, str] | None = None
+    """{folder: split} when the data came split and the splits were kept (split.respect_given)."""
 
     def size(self, split: str) -> int:
         return sum(self.counts[split].values())

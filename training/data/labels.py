@@ -38,15 +38,47 @@ def _is_candidate(path: Path) -> bool:
     )
 
 
+GIVEN_SPLITS = {"train": "train", "val": "val", "valid": "val", "validation": "val",
+                "test": "test"}
+
+
+def given_splits(root: Path) -> dict[str, str] | None:
+    """{folder: split} when `root` comes split (train/ and test/, optionally val/, valid/ or
+    validation/, and nothing else), each holding one folder per class; else None."""
+    if not root.is_dir():
+        return None
+    folders = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    if not {"train", "test"} <= folders or not folders <= GIVEN_SPLITS.keys():
+        return None
+    if sum(GIVEN_SPLITS[f] == "val" for f in folders) > 1:
+        raise DatasetError(f"{root} has more than one validation folder "
+                           f"({', '.join(sorted(f for f in folders if GIVEN_SPLITS[f] == 'val'))}"
+                           "); keep one")
+    return {folder: GIVEN_SPLITS[folder] for folder in sorted(folders)}
+
+
 def _from_folders(root: Path) -> list[tuple[str, str]]:
+    if (given := given_splits(root)) is not None:
+        pairs = []
+        for folder in given:
+            found = _from_class_folders(root, root / folder)
+            if not found:
+                raise DatasetError(f"split folder {root / folder} has no images in class "
+                                   "folders; add them (one folder per class), or remove it")
+            pairs += found
+        return pairs
+    return _from_class_folders(root, root)
+
+
+def _from_class_folders(root: Path, classes: Path) -> list[tuple[str, str]]:
     pairs = []
-    for class_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    for class_dir in sorted(p for p in classes.iterdir() if p.is_dir() and not p.name.startswith(".")):
         for path in class_dir.rglob("*"):
             if _is_candidate(path):
                 pairs.append((path.relative_to(root).as_posix(), class_dir.name))
-    if not pairs and any(_is_candidate(p) for p in root.iterdir()):
+    if not pairs and any(_is_candidate(p) for p in classes.iterdir()):
         raise DatasetError(
-            f'{root} holds images directly, not in one sub-folder per class: use labels="filename" '
+            f'{classes} holds images directly, not in one sub-folder per class: use labels="filename" '
             '(cat.12.jpg -> cat) or labels="csv:<file>"'
         )
     return pairs

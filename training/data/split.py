@@ -22,7 +22,7 @@ from pathlib import Path
 
 from training.config import SplitSpec
 from training.data.images import ImageCheck, check_image
-from training.data.labels import DatasetError
+from training.data.labels import DatasetError, given_splits
 from training.data.sources import DatasetRef, labelled_files
 from training.data.store import DecodeStore, compact, decode_into_stores, prune_stores
 from training.handoff import SplitResult
@@ -70,12 +70,13 @@ def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path,
             prune_stores(folder)
         return result
     pairs = labelled_files(ref)
+    given = given_splits(ref.root) if spec.respect_given and ref.labels == "folders" else None
     ledger_path = folder / "ledger.json"
     ledger: dict[str, str] = json.loads(ledger_path.read_text()) if ledger_path.exists() else {}
     if sides:
         # Assigned as if every image were readable, so that each is decoded at its split's
         # side; the few a bad file moves to another split are decoded again below.
-        hoped = _assign(pairs, ledger, spec)
+        hoped = _assign(pairs, ledger, spec, given)
         checks = _decode_checked(ref.root, pairs, _by_side(hoped, sides), folder, on_progress)
     else:
         checks = check_images(ref.root, [rel for rel, _ in pairs])
@@ -91,8 +92,11 @@ def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path,
     by_class: dict[str, list[str]] = defaultdict(list)
     for rel, label in good:
         by_class[label].append(rel)
-    _check_class_sizes(ref, by_class, spec)
-    assignment = _assign(good, ledger, spec)
+    if given is None:
+        _check_class_sizes(ref, by_class, spec)
+    assignment = _assign(good, ledger, spec, given)
+    if given is not None:
+        _check_given_splits(ref, good, assignment)
     if sides and bad:
         decode_into_stores(ref.root, _by_side(assignment, sides), folder, on_progress)
 
@@ -114,6 +118,7 @@ def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path,
         class_names=sorted(by_class),
         channels=channels,
         root=ref.root,
+        given_splits=given,
     )
     write_json_atomic(out / "summary.json", result.model_dump(mode="json"))
     clean_up(folder, keep=good_paths)
@@ -151,8 +156,22 @@ def _by_side(assignment: dict[str, str], sides: dict[str, int]) -> dict[int, lis
     return dict(wanted)
 
 
-def _assign(pairs: list[tuple[str, str]], ledger: dict[str, str], spec: SplitSpec
-            ) -> dict[str, str]:
+def _assign(pairs: list[tuple[str, str]], ledger: dict[str, str], spec: SplitSpec,
+            given: dict[str, str] | None = None) -> dict[str, str]:
+    """Each file's split. With `given` (folder -> split), files keep their folder's split, and
+    when no val folder is given, val is carved from the given train as a split would."""
+    if given is None:
+        return _assign_by_class(pairs, ledger, spec)
+    assignment = {rel: given[rel.split("/", 1)[0]] for rel, _ in pairs}
+    if "val" not in given.values():
+        train = [(rel, label) for rel, label in pairs if assignment[rel] == "train"]
+        carve = spec.model_copy(update={"test_fraction": 0.0})
+        assignment.update(_assign_by_class(train, ledger, carve))
+    return assignment
+
+
+def _assign_by_class(pairs: list[tuple[str, str]], ledger: dict[str, str], spec: SplitSpec
+                     ) -> dict[str, str]:
     by_class: dict[str, list[str]] = defaultdict(list)
     for rel, label in pairs:
         by_class[label].append(rel)
@@ -160,6 +179,23 @@ def _assign(pairs: list[tuple[str, str]], ledger: dict[str, str], spec: SplitSpe
     for files in by_class.values():
         assignment.update(_assign_class(files, ledger, spec))
     return assignment
+
+
+def _check_given_splits(ref: DatasetRef, good: list[tuple[str, str]],
+                        assignment: dict[str, str]) -> None:
+    """Every class in every given split: a test set without a class cannot test it."""
+    seen = {(label, assignment[rel]) for rel, label in good}
+    classes = sorted({label for _, label in good})
+    if len(classes) < 2:
+        raise DatasetError(f"the dataset has one class ({classes[0]!r}); a classifier needs at "
+                           "least two")
+    for split in SPLITS:
+        missing = [c for c in classes if (c, split) not in seen]
+        if missing:
+            raise DatasetError(
+                f"the {split} split of {ref.root} has no readable images of class "
+                f"{missing[0]!r}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; "
+                "add some, or set split.respect_given=false to split all images anew")
 
 
 def clean_up(folder: Path, keep: set[str]) -> None:
