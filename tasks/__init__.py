@@ -3,7 +3,14 @@
 import logging
 
 from prefect import get_run_logger
+from prefect.cache_policies import INPUTS, RUN_ID, TASK_SOURCE
 from prefect.exceptions import MissingContextError
+
+RESUMABLE = {"persist_result": True, "result_serializer": "json",
+             "cache_policy": INPUTS + TASK_SOURCE + RUN_ID}
+"""A stage that a retried flow run does not redo (Prefect's persisted results and cache
+policy): its result is kept as JSON, never pickled, and found again only by the same flow run
+with the same inputs and the same task code, so nothing is reused across data or specs."""
 
 
 def run_logger() -> logging.Logger | logging.LoggerAdapter:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from prefect import task
 from rich.progress import Progress
 
-from tasks import run_logger
+from tasks import RESUMABLE, run_logger
 from training.config import DatasetSpec, SplitSpec
 from training.data.kaggle import KaggleCredentials
 from training.data.sources import DatasetRef, prepare
@@ -38,7 +38,7 @@ def credentials_from_secret_block() -> KaggleCredentials | None:
     return KaggleCredentials(data.get("username"), data.get("key"), data.get("token"))
 
 
-@task(retries=2, retry_delay_seconds=5)
+@task(retries=2, retry_delay_seconds=5, **RESUMABLE)
 def prepare_dataset(dataset: DatasetSpec) -> DatasetRef:
     """Fetch (once) and list the labelled images of the dataset source."""
     logger = run_logger()
@@ -48,7 +48,7 @@ def prepare_dataset(dataset: DatasetSpec) -> DatasetRef:
     return ref
 
 
-@task
+@task(**RESUMABLE)
 def split_dataset(dataset: DatasetRef, split: SplitSpec, sides: dict[str, int] | None = None
                   ) -> SplitResult:
     """Check every image and write the stratified, stable train/val/test manifest.

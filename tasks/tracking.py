@@ -13,6 +13,7 @@ from mlflow.entities import Dataset, DatasetInput, InputTag
 from prefect import task
 from prefect.runtime import flow_run
 
+from tasks import RESUMABLE
 from tasks.lineage import DATASET_SOURCE, GIT_COMMIT
 from training.data.split import SPLITS, read_manifest
 from training.handoff import SplitResult
@@ -57,7 +58,7 @@ def experiment_id(client: MlflowClient, name: str | None = None) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
-@task
+@task(**RESUMABLE)
 def open_mlflow_run(lineage: dict[str, str], data: SplitResult, flow_name: str = "train-flow"
                     ) -> str:
     """Create the flow's MLflow run, tagged with its lineage (Prefect run, code, data), with

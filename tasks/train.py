@@ -11,7 +11,7 @@ import mlflow
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from tasks import run_logger
+from tasks import RESUMABLE, run_logger
 from tasks.launcher import launch
 from tasks.mlflow_logging import EpochLogger
 from training.config import TrainingSpec
@@ -129,7 +129,7 @@ def system_metrics(run_id: str | None, tracking_uri: str | None, logger) -> Iter
             logger.warning("MLflow did not take the end of the system metrics: %s", e)
 
 
-@task(retries=1, retry_delay_seconds=2, task_run_name="train-{training.model}")
+@task(retries=1, retry_delay_seconds=2, task_run_name="train-{training.model}", **RESUMABLE)
 def train_model(split: SplitResult, training: TrainingSpec, output_dir: Path,
                 mlflow_run_id: str | None, tracking_uri: str | None) -> TrainResult:
     """Train under `accelerate launch`; a retry resumes from the last saved epoch."""

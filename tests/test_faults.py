@@ -158,3 +158,37 @@ def test_a_write_killed_mid_way_never_leaves_a_truncated_file(tmp_path):
     assert not final.exists()
 
 
+
+
+@pytest.mark.slow
+def test_a_flow_run_that_failed_in_registration_retries_without_training_again(
+        prefect_engine, monkeypatch):
+    """Prefect's persisted results: the retried flow run reuses every stage that completed."""
+    import flows.train_flow as module
+
+    failures = []
+
+    def registry_down_once(*args, **kwargs):
+        if not failures:
+            failures.append("down")
+            raise RuntimeError("the model registry is down (injected)")
+        return register_model(*args, **kwargs)
+
+    register_model = module.register_model
+    monkeypatch.setattr(module, "register_model", registry_down_once)
+    result = module.train_flow.with_options(retries=1, retry_delay_seconds=0)(
+        dataset={"source": "builtin:digits"},
+        training={"epochs": 2, "image_size": 12, "batch_size": 50},
+        registry={"model_name": "resumed-digits"})
+    assert failures == ["down"] and result.registration.promoted
+    # One training: its ranks started once, and each epoch was logged once.
+    events = ProgressReader(result.trained.output_dir).poll()
+    assert len([e for e in events if e.event == "start"]) == result.trained.world_size
+    client = MlflowClient(tracking_uri())
+    assert [m.step for m in client.get_metric_history(result.mlflow_run_id, "train_loss")] == [1, 2]
+    flow_run_id = client.get_run(result.mlflow_run_id).data.tags[FLOW_RUN_ID]
+    runs = client.search_runs([client.get_run(result.mlflow_run_id).info.experiment_id],
+                              filter_string=f"tags.`{FLOW_RUN_ID}` = '{flow_run_id}'")
+    assert [r.info.status for r in runs] == ["FINISHED"]
+    versions = client.search_model_versions("name='resumed-digits'")
+    assert [v.tags[FLOW_RUN_ID] for v in versions] == [flow_run_id]
