@@ -19,9 +19,9 @@ from pathlib import Path
 from queue import Empty, Queue
 
 from training.config import TrainingSpec
-from training.engine.events import Event, Failed
+from training.engine.events import Event, Failed, Preempted, last_from_rank_0
 from training.engine.progress import TASK_REPORTS, ProgressReader
-from training.processes import free_port, kill_tree, port_in_use, tied_to_parent
+from training.processes import TERMINATE_GRACE_S, free_port, kill_tree, port_in_use, tied_to_parent
 
 STARTUP_TIMEOUT_S = 180.0
 
@@ -43,6 +43,10 @@ class LaunchHung(LaunchFailed):
 
 class LaunchTimedOut(LaunchFailed):
     pass
+
+
+class LaunchPreempted(LaunchFailed):
+    """The ranks stopped for a SIGTERM and saved where they were: a retry resumes there."""
 
 
 class PortTaken(LaunchFailed):
@@ -169,11 +173,12 @@ class Watchdog:
 
 
 def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch: LaunchWatch,
-               cwd: Path | None = None) -> list[Event]:
+               cwd: Path | None = None, grace_s: float = TERMINATE_GRACE_S) -> list[Event]:
     """Run the launch to the end; on failure, hang, timeout or interruption kill its group.
 
     A launch that failed before any rank reported, while another process listens on its
-    rendezvous port, lost that port: PortTaken.
+    rendezvous port, lost that port: PortTaken. Ranks that stopped for a SIGTERM after saving
+    are LaunchPreempted. When this process is stopped, the ranks get `grace_s` to save.
     """
     reader = ProgressReader(output_dir)
     reader.skip_existing()
@@ -185,6 +190,7 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
     # its `error` event, which the failure shows once. So from the first traceback on, the
     # output waits for the end: dropped then if a rank reported the failure, else logged.
     held: list[str] = []
+    stopped_from_outside = False
 
     def on_line(line: str) -> None:
         if held or line.split("]: ", 1)[-1].startswith("Traceback (most recent call last)"):
@@ -214,15 +220,25 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
         for event in reader.poll():
             watch.events.append(event)
             watch.on_event(event)
+        if stop := last_from_rank_0(watch.events, Preempted):
+            raise LaunchPreempted(f"preempted in epoch {stop.epoch} after batch {stop.batches} "
+                                  f"(optimizer step {stop.optimizer_steps}), saved in "
+                                  f"{stop.checkpoint}: a retry resumes from there")
         if proc.returncode != 0:
             port = rendezvous_port(command)
             if port is not None and not watch.events and port_in_use(port):
                 raise PortTaken(f"the rendezvous port {port} was taken by another process")
             raise LaunchFailed(*failure(proc.returncode, watch.events))
         return watch.events
+    except BaseException as e:
+        # Stopped from outside (a signal to this process, a cancellation, Ctrl-C), not by the
+        # launch's own failure: the ranks get their grace to save where they are.
+        stopped_from_outside = not isinstance(e, Exception)
+        raise
     finally:
-        kill_tree(proc)
-        reported = proc.returncode not in (None, 0) and rank_errors(watch.events)
+        kill_tree(proc, grace_s if stopped_from_outside else TERMINATE_GRACE_S)
+        reported = proc.returncode not in (None, 0) and (
+            rank_errors(watch.events) or last_from_rank_0(watch.events, Preempted))
         for line in held if not reported else ():
             watch.on_line(line)
 
@@ -242,7 +258,8 @@ def launch(spec: TrainingSpec, module: str, args: list[str], output_dir: Path,
         watch = LaunchWatch(on_line=lambda line: logger.info("%s", line), on_event=on_event,
                             hang_timeout_s=spec.hang_timeout_s, timeout_s=spec.timeout_s)
         try:
-            return run_launch(command, env, output_dir, watch)
+            return run_launch(command, env, output_dir, watch,
+                              grace_s=max(TERMINATE_GRACE_S, spec.preemption_grace_s))
         except PortTaken:
             if spec.main_process_port or spec.num_machines > 1 or attempt == PORT_ATTEMPTS:
                 raise

@@ -6,6 +6,7 @@ TRAINFLOW_FAULT="<kind>:rank=<r>:epoch=<e>:step=<s>" with kind one of
   hang   - the rank stops making progress (sleeps for an hour)
   slow   - every step of that rank sleeps <s> seconds (rank/epoch ignored unless given)
   kill   - the rank SIGKILLs itself at that step
+  preempt - the rank SIGTERMs its launcher (torchrun's agent) at that step, as a spot notice does
   slow_decode - the rank that decodes the store sleeps <seconds> once, holding its lock
 With TRAINFLOW_FAULT_ONCE=<file>, a fault fires only while <file> does not exist (it is created
 when the fault fires), so a retried attempt runs clean.
@@ -49,6 +50,9 @@ def on_step(rank: int, epoch: int, step: int) -> None:
         open(once, "w").close()
     if fault["kind"] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault["kind"] == "preempt":
+        os.kill(os.getppid(), signal.SIGTERM)
+        time.sleep(3)  # a notice takes a moment to reach every rank; the others wait here too
     if fault["kind"] == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at epoch {epoch} step {step}")
     if fault["kind"] == "hang":

@@ -13,7 +13,13 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from tasks.launcher import LaunchFailed, LaunchHung, launch_command, launch_env
+from tasks.launcher import (
+    LaunchFailed,
+    LaunchHung,
+    LaunchPreempted,
+    launch_command,
+    launch_env,
+)
 from tasks.train import run_training
 from training.engine.checkpoint import STATE_FILE
 from training.engine.progress import ProgressReader
@@ -255,3 +261,36 @@ def test_training_alone_logs_to_the_run_it_is_given(digits_split, tmp_path):
     run = client.get_run(run_id)
     assert run.data.params["world_size"] == "2"
     assert [m.step for m in client.get_metric_history(run_id, "val_accuracy")] == [1, 2]
+
+
+def test_a_preemption_notice_mid_epoch_saves_there_and_the_retry_resumes_at_the_next_batch(
+        digits_split, tmp_path):
+    """SIGTERM to the launch (torchrun passes it to every rank), as a spot notice or an eviction
+    sends it: the ranks agree on a step, save there and stop; the retry does the rest of that
+    epoch and ends exactly where an uninterrupted run does."""
+    whole = run_training(_job(digits_split, tmp_path, "whole", heartbeat_steps=2), LOG,
+                         resume=False)
+    job = _job(digits_split, tmp_path, "cut", heartbeat_steps=2)
+    with pytest.raises(LaunchPreempted, match="preempted in epoch 2 after batch"):
+        run_training(job, LOG, resume=False,
+                     extra_env={"TRAINFLOW_FAULT": "preempt:rank=0:epoch=2:step=4"})
+    events = ProgressReader(job.output_dir).poll()
+    stops = [e for e in events if e.event == "preempted"]
+    assert sorted(e.rank for e in stops) == [0, 1]  # every rank stopped after the same batch
+    assert len({(e.epoch, e.batches) for e in stops}) == 1 and 4 <= stops[0].batches < 15
+    assert not any(e.event == "error" for e in events)
+
+    resumed = run_training(job, LOG, resume=True)
+    events = ProgressReader(job.output_dir).poll()
+    assert [(e.epoch, e.batches) for e in events if e.event == "resumed" and e.rank == 0] == [
+        (1, stops[0].batches)]
+    # Epoch 2's first heartbeat after the resume is past the batches already trained.
+    after = [e.step for e in events if e.event == "heartbeat" and e.phase == "train"
+             and e.epoch == 2 and e.time > stops[0].time]
+    assert after and min(after) > stops[0].batches
+    for done, uninterrupted in zip(resumed.history, whole.history, strict=True):
+        assert done.optimizer_steps == uninterrupted.optimizer_steps
+        assert done.learning_rate == pytest.approx(uninterrupted.learning_rate, rel=1e-9)
+        for name in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
+            assert getattr(done, name) == pytest.approx(getattr(uninterrupted, name),
+                                                        rel=1e-4, abs=1e-6), name

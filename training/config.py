@@ -318,6 +318,12 @@ class TrainingSpec(Spec):
     hang_timeout_s: Annotated[float, Role.LAUNCH] = Field(
         300, gt=0, description="Kill the launch when no rank made progress for this long."
     )
+    preemption_grace_s: Annotated[float, Role.LAUNCH] = Field(
+        25, gt=0, le=3600, description="After a SIGTERM (a spot notice, a Kubernetes "
+        "eviction, the task being stopped), how long the ranks have to finish the step all of "
+        "them agree on (every heartbeat_steps optimizer steps) and save there before they are "
+        "killed. Keep it below the platform's own grace (Kubernetes: 30 s by default; torchrun "
+        "waits 30 s).")
     heartbeat_steps: Annotated[int, Role.LAUNCH] = Field(
         10, ge=1, description="Each rank reports every N steps.")
 

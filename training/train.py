@@ -44,11 +44,13 @@ from training.engine.events import (
     Evaluated,
     Heartbeat,
     Params,
+    Preempted,
     Resumed,
     Trained,
 )
 from training.engine.hooks import rank_hooks
 from training.engine.loop import Learner, train_one_epoch, validate
+from training.engine.preemption import EpochSoFar, PreemptionNotice, StopForPreemption
 from training.engine.progress import ProgressWriter, Rank, start_rank, task_reports
 from training.engine.schedule import EarlyStopping, continue_after, make_optimizer, make_scheduler
 from training.handoff import TrainJob, job_for_ranks
@@ -78,18 +80,30 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
     learner = Learner(accelerator, stepping, optimizer, scheduler,
                       Normalize(pre.mean, pre.std).to(accelerator.device), spec, rank, progress)
     checkpoints = Checkpointer(accelerator, rank, job, model)
+    notice = PreemptionNotice()  # from here on, a SIGTERM saves before it stops
     state = (checkpoints.resume() if resume else None) or TrainerState()
-    if state.epoch:
+    so_far = EpochSoFar(**state.interrupted) if state.interrupted else None
+    if state.epoch and so_far is None:
         continue_after(scheduler, lambda: make_scheduler(spec, optimizer, steps), state.epoch,
                        steps)
-        progress.emit(Resumed, checkpoint=str(checkpoints.latest()), epoch=state.epoch)
+    if state.epoch or so_far:  # mid-epoch, the restored schedule is exactly where it stopped
+        progress.emit(Resumed, checkpoint=str(checkpoints.latest()), epoch=state.epoch,
+                      batches=so_far.batches if so_far else 0)
     report_params(job, accelerator, rank, progress, train_loader, val_loader)
 
     last = state.epoch if stopper.stopped else spec.epochs  # a resumed early stop stays stopped
     for epoch in range(state.epoch + 1, last + 1):
         train_loader.set_epoch(epoch)
-        started = time.perf_counter()
-        trained = train_one_epoch(learner, train_loader, epoch)
+        started = time.perf_counter() - (so_far.seconds if so_far else 0)
+        try:
+            trained = train_one_epoch(learner, train_loader, epoch, so_far, notice)
+        except StopForPreemption as stop:
+            stop.so_far.seconds = time.perf_counter() - started
+            saved = checkpoints.save_interrupted(state, stop.so_far)
+            progress.emit(Preempted, epoch=epoch, batches=stop.so_far.batches,
+                          checkpoint=str(saved), optimizer_steps=scheduler.last_epoch)
+            raise
+        so_far = None
         metrics = {**trained, **validate(learner, val_loader, epoch)}
         seconds = time.perf_counter() - started
         metrics = EpochMetrics(epoch=epoch, epoch_seconds=seconds,
@@ -169,12 +183,15 @@ def make_loaders(job: TrainJob, accelerator: Accelerator, progress: ProgressWrit
     workers = spec.workers_per_rank(
         accelerator.device.type == "cuda", len(os.sched_getaffinity(0)),
         int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
+    # The loader's own generator: its per-epoch draw then leaves the global stream (dropout,
+    # crops) alone, so a run resumed mid-epoch draws exactly what the uninterrupted one did.
     loading = {"batch_size": spec.batch_size, "num_workers": workers,
                "persistent_workers": workers > 0,
                "pin_memory": accelerator.device.type == "cuda"}
     return (DataLoader(CachedImages(train, pre.image_size, spec.augment), shuffle=True,
-                       **loading),
-            DataLoader(CachedImages(val, pre.image_size, False), **loading))
+                       generator=torch.Generator().manual_seed(spec.seed), **loading),
+            DataLoader(CachedImages(val, pre.image_size, False),
+                       generator=torch.Generator().manual_seed(spec.seed), **loading))
 
 
 def report_params(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: ProgressWriter,
@@ -235,7 +252,11 @@ def main(argv: list[str] | None = None) -> None:
     accelerator = make_accelerator(job, args.log_with)
     rank, progress = start_rank(accelerator, job.output_dir)  # passed everywhere
     with progress.reporting_errors():
-        result = train(job, accelerator, rank, progress, resume=args.resume)
+        try:
+            result = train(job, accelerator, rank, progress, resume=args.resume)
+        except StopForPreemption:  # saved and reported: leave cleanly, for the retry
+            accelerator.end_training()
+            raise SystemExit(0) from None
         if args.evaluate_into:
             # A second launch would start interpreters, torch and the process group again.
             from training.evaluate import evaluate, summarize

@@ -19,6 +19,7 @@ from accelerate.utils import ProjectConfiguration
 from safetensors.torch import save_model
 from torch import nn
 
+from training.engine.preemption import EpochSoFar
 from training.engine.progress import Rank
 from training.handoff import TrainJob
 from training.storage import atomic_path, write_json_atomic
@@ -37,12 +38,15 @@ class TrainerState:
     """What the loop knows besides the tensors: saved with each checkpoint."""
 
     epoch: int = 0
+    """Epochs done."""
     best: dict | None = None
     history: list[dict] = field(default_factory=list)
+    interrupted: dict | None = None
+    """The next epoch's part done before a preemption (training.engine.preemption.EpochSoFar)."""
 
     def record(self, epoch: int, metrics: dict) -> bool:
         """Add an epoch's metrics; True when it is the best so far."""
-        self.epoch = epoch
+        self.epoch, self.interrupted = epoch, None
         self.history.append({"epoch": epoch, **metrics})
         if self.best is None or better(metrics, self.best):
             self.best = {"epoch": epoch, **metrics}
@@ -70,9 +74,24 @@ class Checkpointer:
                 save_model(self.accelerator.unwrap_model(self.model, keep_torch_compile=False), str(tmp),
                            metadata={"epoch": str(epoch)})
             write_json_atomic(self.job.output_dir / "best.json", state.best)
-        self.accelerator.project_configuration.iteration = epoch
+        return self._save_state(epoch, state)
+
+    def save_interrupted(self, state: TrainerState, so_far: EpochSoFar) -> Path:
+        """The state mid-epoch, for a preemption: in the folder of the epoch in progress, which
+        that epoch's end replaces once a retry finishes it."""
+        state.interrupted = so_far.as_dict()
+        return self._save_state(state.epoch + 1, state)
+
+    def _save_state(self, number: int, state: TrainerState) -> Path:
+        folder = self.folder / f"checkpoint_{number}"
+        superseded = folder.exists()  # this epoch's interrupted state
+        self.accelerator.wait_for_everyone()  # every rank looked before any removes it
+        if superseded:
+            if self.rank.main:
+                shutil.rmtree(folder)
+            self.accelerator.wait_for_everyone()
+        self.accelerator.project_configuration.iteration = number
         self.accelerator.save_state()
-        folder = self.folder / f"checkpoint_{epoch}"
         if self.rank.main:
             write_json_atomic(folder / "job.json", json.loads(self.job.model_dump_json()))
             write_json_atomic(folder / STATE_FILE, asdict(state))  # last: marks it complete
@@ -80,9 +99,16 @@ class Checkpointer:
         return folder
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint."""
-        done = [p.parent for p in self.folder.glob(f"checkpoint_*/{STATE_FILE}")]
-        return max(done, key=_number) if done else None
+        """The newest complete checkpoint that this world can resume from."""
+        done = sorted((p.parent for p in self.folder.glob(f"checkpoint_*/{STATE_FILE}")),
+                      key=_number, reverse=True)
+        for folder in done:
+            interrupted = json.loads((folder / STATE_FILE).read_text()).get("interrupted")
+            # An epoch's batches do not map onto another world's shards: from such a stop,
+            # the epoch before is resumed instead, and the interrupted epoch is run whole.
+            if not interrupted or interrupted["world_size"] == self.rank.world:
+                return folder
+        return None
 
     def resume(self) -> TrainerState | None:
         """Load the newest complete checkpoint into the prepared objects; None if there is none."""

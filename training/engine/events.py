@@ -110,11 +110,24 @@ class EpochEnded(Event):
     world_size: int
 
 
+class Preempted(Event):
+    """The ranks stopped for a preemption notice (SIGTERM) after `batches` batches of `epoch`,
+    with the state saved there: a retry resumes at the next batch."""
+
+    event: Literal["preempted"] = "preempted"
+    epoch: int
+    batches: int
+    checkpoint: str
+    optimizer_steps: int
+
+
 class Resumed(Event):
     event: Literal["resumed"] = "resumed"
     checkpoint: str
     epoch: int
     """Epochs already done."""
+    batches: int = 0
+    """Batches of the next epoch already done (a preempted epoch)."""
 
 
 class EarlyStopped(Event):
@@ -159,7 +172,7 @@ class Failed(Event):
     traceback: str
 
 
-AnyEvent = Annotated[Started | Heartbeat | Params | EpochEnded | Resumed | EarlyStopped
+AnyEvent = Annotated[Started | Heartbeat | Params | EpochEnded | Preempted | Resumed | EarlyStopped
                      | Trained | Evaluated | ScoringFinished | Failed, Field(discriminator="event")]
 _READ = TypeAdapter(AnyEvent)
 

@@ -11,6 +11,7 @@ from accelerate import Accelerator
 from training.config import TrainingSpec
 from training.engine.events import Heartbeat
 from training.engine.hooks import rank_hooks
+from training.engine.preemption import EpochSoFar, PreemptionNotice, StopForPreemption
 from training.engine.progress import ProgressWriter, Rank
 
 
@@ -34,18 +35,26 @@ class Learner:
             else batch
 
 
-def train_one_epoch(learner: Learner, loader, epoch: int) -> dict:
+def train_one_epoch(learner: Learner, loader, epoch: int, so_far: EpochSoFar | None = None,
+                    notice: PreemptionNotice | None = None) -> dict:
+    """One epoch, or what is left of it after `so_far`; raises StopForPreemption when the ranks
+    agree to stop for a notice, at a step where no gradient is half accumulated."""
     accelerator, model, optimizer = learner.accelerator, learner.model, learner.optimizer
-    smoothing = learner.spec.label_smoothing
+    spec = learner.spec
     # A frozen backbone stays in eval mode: its BatchNorm statistics must not drift either.
-    model.train(not learner.spec.freeze_backbone)
+    model.train(not spec.freeze_backbone)
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, correct, images
+    done = so_far.batches if so_far else 0
+    if done:
+        if learner.rank.main:  # the sums over every rank so far, counted once
+            totals += torch.tensor(so_far.sums, device=accelerator.device)
+        loader = accelerator.skip_first_batches(loader, done)  # the same order, from batch done+1
     if learner.rank.main and sys.stdout.isatty():  # a bar for people; plain lines for logs
         from tqdm import tqdm
 
         loader = tqdm(loader, desc=f"epoch {epoch}", leave=False)
     on_step = rank_hooks().on_step
-    for step, (images, labels) in enumerate(loader, 1):
+    for step, (images, labels) in enumerate(loader, done + 1):
         on_step(learner.rank.index, epoch, step)
         # accumulate() skips the gradient sync and the optimizer step on all but every
         # gradient_accumulation_steps-th batch, and scales the loss to match.
@@ -53,7 +62,7 @@ def train_one_epoch(learner: Learner, loader, epoch: int) -> dict:
             with accelerator.autocast():
                 logits = model(learner.inputs(images))
                 loss = torch.nn.functional.cross_entropy(logits, labels,
-                                                         label_smoothing=smoothing)
+                                                         label_smoothing=spec.label_smoothing)
             accelerator.backward(loss)
             optimizer.step()
             if accelerator.sync_gradients:
@@ -63,8 +72,13 @@ def train_one_epoch(learner: Learner, loader, epoch: int) -> dict:
         totals[0] += loss.detach().float() * labels.numel()
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += labels.numel()
-        if step % learner.spec.heartbeat_steps == 0:
+        if step % spec.heartbeat_steps == 0:
             learner.progress.emit(Heartbeat, phase="train", epoch=epoch, step=step)
+        if (notice is not None and accelerator.sync_gradients
+                and learner.scheduler.last_epoch % spec.heartbeat_steps == 0
+                and notice.agreed(accelerator)):
+            sums = accelerator.reduce(totals.clone(), reduction="sum").tolist()
+            raise StopForPreemption(EpochSoFar(step, sums, world_size=learner.rank.world))
     # Summed over ranks: the sampler pads the last round, so a few images may count twice
     # in training metrics; validation below is exact.
     loss_sum, correct, images = accelerator.reduce(totals, reduction="sum").tolist()
