@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from uuid import uuid4
 
+from training.config import TrainingSpec
+
 TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes" / "base-job-template.json"
 
 
@@ -41,3 +43,6 @@ def test_defaults_render_a_one_gpu_job(prefect_engine):
     [container] = _render({})["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert container["image"] == "trainflow-worker:latest"  # deploy/docker/Dockerfile's
+    # An eviction leaves the ranks their preemption_grace_s (25 s) to save, with room to spare.
+    grace = _render({})["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > TrainingSpec().preemption_grace_s + 10
