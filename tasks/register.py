@@ -24,6 +24,7 @@ from tasks import run_logger
 from tasks.evaluate import Evaluation
 from tasks.gate import SameImages, champion_class_names, one_decision_at_a_time, score_champion
 from tasks.lineage import CHALLENGER, CHAMPION, FLOW_RUN_ID, champion_version, metric_tag
+from tasks.tracking import fluent_mlflow
 from trainflow_serving import DESCRIPTION_ARTIFACT, WEIGHTS_ARTIFACT
 from training.config import RegistrySpec
 from training.data.split import read_manifest
@@ -264,7 +265,6 @@ def register_model(trained: TrainResult, evaluation: Evaluation, registry: Regis
                    mlflow_run_id: str, lineage: dict[str, str]) -> Registration:
     """Register a version (once per flow run); move `champion` only for a better model."""
     logger = run_logger()
-    mlflow.set_tracking_uri(tracking_uri())  # the fluent API below reads the global URI
     client = MlflowClient(tracking_uri())
     name, metric = registry.model_name, registry.metric
     value = evaluation.metrics[metric]
@@ -276,10 +276,11 @@ def register_model(trained: TrainResult, evaluation: Evaluation, registry: Regis
         version = found[0]
         logger.info("version %s already registered for this flow run", version.version)
     else:
-        model_uri = log_model(trained, mlflow_run_id)
         tags = {**lineage, METRIC: metric, PREDICTIONS_RUN_ID: mlflow_run_id,
                 metric_tag(metric): repr(value), TEST_METRICS: json.dumps(evaluation.metrics)}
-        version = mlflow.register_model(model_uri, name, tags=tags)
+        with fluent_mlflow(tracking_uri()):
+            model_uri = log_model(trained, mlflow_run_id)
+            version = mlflow.register_model(model_uri, name, tags=tags)
     with one_decision_at_a_time(name):
         if PROMOTION in version.tags:  # decided by an earlier attempt: never judged again
             registration = recorded(version, registry, value, small_test_warning(evaluation))

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from tasks import run_logger
 from tasks.launcher import LaunchFailed
+from tasks.tracking import fluent_mlflow
 from tasks.train import run_training
 from training.config import Distribution, SweepSpec, TrainingSpec
 from training.engine.events import EpochEnded
@@ -162,7 +163,6 @@ def run_trials(data: SplitResult, base: TrainingSpec, sweep: SweepSpec, source: 
     logger.info("study %s in %s: %d trials finished, %d to run", name, storage, len(finished),
                 max(0, remaining))
     client = MlflowClient(tracking_uri())
-    mlflow.set_tracking_uri(tracking_uri())  # the trials' runs are opened with the fluent API
     experiment = client.get_run(parent_run_id).info.experiment_id
     slots = device_slots(base, sweep.max_concurrency)
     if (trials_at_once := slots.qsize()) < sweep.max_concurrency:
@@ -193,8 +193,9 @@ def run_trials(data: SplitResult, base: TrainingSpec, sweep: SweepSpec, source: 
             slots.put((env, launch))
 
     if remaining > 0:
-        study.optimize(objective, n_trials=remaining, n_jobs=slots.qsize(),
-                       timeout=sweep.budget_s, catch=(LaunchFailed, ValidationError))
+        with fluent_mlflow(tracking_uri()):  # the trials' runs are opened with the fluent API
+            study.optimize(objective, n_trials=remaining, n_jobs=slots.qsize(),
+                           timeout=sweep.budget_s, catch=(LaunchFailed, ValidationError))
     return summarize(study, base, storage, client, parent_run_id)
 
 

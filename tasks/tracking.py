@@ -58,6 +58,22 @@ def experiment_id(client: MlflowClient, name: str | None = None) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
+@contextlib.contextmanager
+def fluent_mlflow(uri: str | None) -> Iterator[None]:
+    """MLflow's fluent API (start_run, register_model, ...) pointed at `uri` for a while.
+
+    `mlflow.set_tracking_uri` also writes MLFLOW_TRACKING_URI into this process's environment,
+    which every later run in the process and every subprocess would read: both are put back.
+    """
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(before)  # None: unset again
+
+
 @task(**RESUMABLE)
 def open_mlflow_run(lineage: dict[str, str], data: SplitResult, flow_name: str = "train-flow"
                     ) -> str:

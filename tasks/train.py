@@ -14,6 +14,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from tasks import RESUMABLE, run_logger
 from tasks.launcher import launch
 from tasks.mlflow_logging import EpochLogger
+from tasks.tracking import fluent_mlflow
 from training.config import TrainingSpec
 from training.engine.events import (
     EpochEnded,
@@ -108,25 +109,24 @@ def system_metrics(run_id: str | None, tracking_uri: str | None, logger) -> Iter
     if run_id is None:
         yield
         return
-    try:
-        if tracking_uri:
-            mlflow.set_tracking_uri(tracking_uri)  # the fluent API reads the global URI
-        mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
-        mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None,
-                         log_system_metrics=True)
-    except Exception as e:
-        logger.warning("no system metrics in MLflow for this training: %s", e)
-        yield
-        return
-    try:
-        yield
-    finally:
+    with fluent_mlflow(tracking_uri):
         try:
-            # Stops the monitor. The run stays open (RUNNING): whoever opened it (the flow, a
-            # sweep trial) ends it with its outcome.
-            mlflow.end_run("RUNNING")
+            mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
+            mlflow.start_run(run_id=run_id, nested=mlflow.active_run() is not None,
+                             log_system_metrics=True)
         except Exception as e:
-            logger.warning("MLflow did not take the end of the system metrics: %s", e)
+            logger.warning("no system metrics in MLflow for this training: %s", e)
+            yield
+            return
+        try:
+            yield
+        finally:
+            try:
+                # Stops the monitor. The run stays open (RUNNING): whoever opened it (the
+                # flow, a sweep trial) ends it with its outcome.
+                mlflow.end_run("RUNNING")
+            except Exception as e:
+                logger.warning("MLflow did not take the end of the system metrics: %s", e)
 
 
 @task(retries=1, retry_delay_seconds=2, task_run_name="train-{training.model}", **RESUMABLE)
