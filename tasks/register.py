@@ -264,6 +264,14 @@ def record(client: MlflowClient, registration: Registration, approval: str) -> R
 def register_model(trained: TrainResult, evaluation: Evaluation, registry: RegistrySpec,
                    mlflow_run_id: str, lineage: dict[str, str]) -> Registration:
     """Register a version (once per flow run); move `champion` only for a better model."""
+    # Logging the model, registering it and loading the champion go through MLflow's fluent
+    # API and models:/ URIs, which read the global tracking URI.
+    with fluent_mlflow(tracking_uri()):
+        return _register(trained, evaluation, registry, mlflow_run_id, lineage)
+
+
+def _register(trained: TrainResult, evaluation: Evaluation, registry: RegistrySpec,
+              mlflow_run_id: str, lineage: dict[str, str]) -> Registration:
     logger = run_logger()
     client = MlflowClient(tracking_uri())
     name, metric = registry.model_name, registry.metric
@@ -278,9 +286,8 @@ def register_model(trained: TrainResult, evaluation: Evaluation, registry: Regis
     else:
         tags = {**lineage, METRIC: metric, PREDICTIONS_RUN_ID: mlflow_run_id,
                 metric_tag(metric): repr(value), TEST_METRICS: json.dumps(evaluation.metrics)}
-        with fluent_mlflow(tracking_uri()):
-            model_uri = log_model(trained, mlflow_run_id)
-            version = mlflow.register_model(model_uri, name, tags=tags)
+        model_uri = log_model(trained, mlflow_run_id)
+        version = mlflow.register_model(model_uri, name, tags=tags)
     with one_decision_at_a_time(name):
         if PROMOTION in version.tags:  # decided by an earlier attempt: never judged again
             registration = recorded(version, registry, value, small_test_warning(evaluation))

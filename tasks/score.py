@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from tasks import run_logger
 from tasks.data import credentials_from_secret_block
 from tasks.launcher import launch
-from tasks.tracking import experiment_id, experiment_name
+from tasks.tracking import experiment_id, experiment_name, fluent_mlflow
 from trainflow_serving.images import IMAGE_EXTENSIONS
 from training.config import DatasetSpec, TrainingSpec
 from training.data.sources import fetch
@@ -71,7 +71,8 @@ def resolve_model(model_name: str, alias: str, folder: Path) -> ScoringModel:
         raise ScoringError(f"model {model_name!r} has no alias {alias!r}; its aliases: "
                            f"{', '.join(known) or 'none'}") from None
     uri = f"models:/{model_name}@{alias}"
-    metadata = mlflow.models.get_model_info(uri).metadata or {}
+    with fluent_mlflow(tracking_uri()):  # models:/ URIs read the global tracking URI
+        metadata = mlflow.models.get_model_info(uri).metadata or {}
     if "class_names" not in metadata or "preprocessing" not in metadata:
         raise ScoringError(f"{uri} (v{version.version}) has no class names or preprocessing in "
                            "its metadata: it was not logged by this pipeline; register it again "
