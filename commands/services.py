@@ -1,6 +1,7 @@
 """Local services for deployments: Prefect server, MLflow server and a process worker.
 
     trainflow services start --folder .services     # (make services)
+    trainflow services start --stack production     # PostgreSQL, S3, MLflow basic-auth too
     trainflow services stop --folder .services      # (make stop)
 
 Everything binds to 127.0.0.1. Process ids go to <folder>/<name>.pid and logs to
@@ -29,16 +30,29 @@ few queued runs must wait rather than all start together (prefect.yaml sets each
 own limit below this)."""
 
 
-def _start(name: str, command: list[str], folder: Path, env: dict[str, str]) -> None:
+STOP_SIGNALS = {"postgres": signal.SIGINT}
+"""PostgreSQL's SIGTERM waits for every client to leave; SIGINT is its fast, clean shutdown."""
+
+
+def as_user(user: str | None) -> dict:
+    """Popen's arguments to run as `user` with its own group only (root's would stay)."""
+    return {"user": user, "group": user, "extra_groups": []} if user else {}
+
+
+def start_process(name: str, command: list[str], folder: Path, env: dict[str, str],
+                  user: str | None = None) -> bool:
+    """Start `name` in the background unless its recorded process still runs; True if started."""
     pid_file = folder / f"{name}.pid"
     if pid_file.exists() and alive(int(pid_file.read_text())):
         print(f"{name} already running (pid {pid_file.read_text().strip()})")
-        return
-    with open(folder / f"{name}.log", "ab") as log:
+        return False
+    log_file = folder / f"{name}.log"
+    with open(log_file, "ab") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+                                start_new_session=True, **as_user(user))
     pid_file.write_text(str(proc.pid))
-    print(f"started {name} (pid {proc.pid}), log {folder / f'{name}.log'}")
+    print(f"started {name} (pid {proc.pid}), log {log_file}")
+    return True
 
 
 def wait_http(url: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
@@ -74,9 +88,9 @@ def start(folder: Path, prefect_port: int, mlflow_port: int, pool: str = POOL,
     prefect_url, mlflow_url = env["PREFECT_API_URL"], env["MLFLOW_TRACKING_URI"]
     store = Path(env.get("TRAINFLOW_HOME") or home()).expanduser() / "mlflow-server"
     store.mkdir(parents=True, exist_ok=True)
-    _start("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
+    start_process("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
                               "--port", str(prefect_port)], folder, env)
-    _start("mlflow-server", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port",
+    start_process("mlflow-server", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port",
                              str(mlflow_port), "--backend-store-uri",
                              f"sqlite:///{store / 'mlflow.db'}", "--artifacts-destination",
                              str(store / "artifacts")], folder, env)
@@ -86,7 +100,7 @@ def start(folder: Path, prefect_port: int, mlflow_port: int, pool: str = POOL,
                     "--overwrite"], env=env, check=True, capture_output=True)
     subprocess.run([str(BIN / "prefect"), "work-pool", "set-concurrency-limit", pool,
                     str(POOL_LIMIT)], env=env, check=True, capture_output=True)
-    _start("worker", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type",
+    start_process("worker", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type",
                       "process"], folder, env)
     print(f"\nPrefect UI  http://127.0.0.1:{prefect_port}\nMLflow UI   {mlflow_url}\n"
           f"Use them from this shell:\n  export PREFECT_API_URL={prefect_url} "
@@ -95,10 +109,11 @@ def start(folder: Path, prefect_port: int, mlflow_port: int, pool: str = POOL,
 
 
 def stop(folder: Path) -> None:
-    for pid_file in sorted(folder.glob("*.pid")):
+    """End what `start` recorded, last started first: the databases outlive their clients."""
+    for pid_file in sorted(folder.glob("*.pid"), key=lambda p: p.stat().st_mtime, reverse=True):
         pid = int(pid_file.read_text())
         if alive(pid):
-            os.killpg(os.getpgid(pid), signal.SIGTERM)
+            os.killpg(os.getpgid(pid), STOP_SIGNALS.get(pid_file.stem, signal.SIGTERM))
             deadline = time.monotonic() + 15
             while alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -112,11 +127,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trainflow services",
                                      description="Start or stop the local services.")
     parser.add_argument("action", choices=["start", "stop"])
+    parser.add_argument("--stack", choices=["local", "production"], default="local",
+                        help="local: SQLite stores and local artifacts; production: PostgreSQL, "
+                        "an S3 bucket and MLflow with basic-auth (commands/production_stack.py)")
     parser.add_argument("--folder", type=Path, default=Path(".services"))
     parser.add_argument("--prefect-port", type=int, default=4200)
     parser.add_argument("--mlflow-port", type=int, default=5000)
+    parser.add_argument("--postgres-port", type=int, default=5433, help="production stack only")
+    parser.add_argument("--s3-port", type=int, default=9000, help="production stack only")
     args = parser.parse_args(argv)
-    if args.action == "start":
+    if args.action == "start" and args.stack == "production":
+        from commands import production_stack
+
+        production_stack.start(args.folder, production_stack.StackPorts(
+            args.postgres_port, args.s3_port, args.prefect_port, args.mlflow_port))
+    elif args.action == "start":
         start(args.folder, args.prefect_port, args.mlflow_port)
     else:
         stop(args.folder)

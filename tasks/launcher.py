@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
 
+from tasks.credentials import SECRET_VARIABLES
 from training.config import TrainingSpec
 from training.engine.events import Event, Failed, Preempted, last_from_rank_0
 from training.engine.progress import TASK_REPORTS, ProgressReader
@@ -113,6 +114,8 @@ def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # The task logs each epoch from rank 0's events: the rank need not print it too.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", TASK_REPORTS: "1",
            **(extra or {})}
+    for name in SECRET_VARIABLES:  # the ranks talk to no store: they need no credentials
+        env.pop(name, None)
     if not cuda_available():
         # Without it, `--multi_gpu` on a CPU-only host starts N processes that each train
         # alone as a world of one.

@@ -10,6 +10,7 @@ from pathlib import Path
 from prefect import task
 
 from tasks import run_logger
+from tasks.credentials import MissingSecretBlock, use_secret_blocks
 from tasks.mlflow_logging import fail_fast_http
 from training.config import DatasetSpec, TrainingSpec
 from training.data.kaggle import MISSING_CREDENTIALS, find_credentials
@@ -22,24 +23,63 @@ class PreflightError(RuntimeError):
 
 
 def check_mlflow() -> None:
-    """The tracking store answers and accepts writes (an experiment lookup/creation).
+    """The tracking store answers, takes these credentials and accepts writes (an experiment
+    lookup/creation), and the experiment's artifact store can be listed.
 
-    An unreachable server fails this in seconds, not after MLflow's default minutes of retries.
+    An unreachable server fails this in seconds, not after MLflow's default minutes of retries;
+    a refused password or a missing bucket fails it before any download or launch, not at
+    registration after the training.
     """
     fail_fast_http()
+    try:
+        use_secret_blocks()
+    except MissingSecretBlock as e:
+        raise PreflightError(str(e)) from None
     from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
 
     from tasks.tracking import experiment_id
 
     uri = tracking_uri()
+    client = MlflowClient(uri)
     try:
-        experiment_id(MlflowClient(uri))
+        experiment = client.get_experiment(experiment_id(client))
+    except MlflowException as e:
+        if e.get_http_status_code() in (401, 403):
+            user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+            raise PreflightError(
+                f"MLflow at {uri} refused the credentials "
+                f"({'user ' + repr(user) if user else 'none given'}; HTTP "
+                f"{e.get_http_status_code()}): set MLFLOW_TRACKING_USERNAME and "
+                "MLFLOW_TRACKING_PASSWORD, or name a Prefect Secret block holding them in "
+                "TRAINFLOW_MLFLOW_SECRET_BLOCK") from None
+        raise PreflightError(_unreachable(uri, e)) from None
+    except Exception as e:
+        raise PreflightError(_unreachable(uri, e)) from None
+    check_artifact_store(uri, experiment.artifact_location)
+
+
+def _unreachable(uri: str, e: Exception) -> str:
+    return (f"MLflow tracking store {uri} is not reachable or not writable "
+            f"({type(e).__name__}: {str(e)[:200]}); start it (make services) or set "
+            "MLFLOW_TRACKING_URI to a running server")
+
+
+def check_artifact_store(uri: str, location: str) -> None:
+    """List the experiment's artifact root: through an MLflow server, that reaches its bucket."""
+    import mlflow
+
+    from tasks.tracking import fluent_mlflow
+
+    try:
+        with fluent_mlflow(uri):  # an mlflow-artifacts: root is the tracking server's
+            mlflow.artifacts.list_artifacts(artifact_uri=location)
     except Exception as e:
         raise PreflightError(
-            f"MLflow tracking store {uri} is not reachable or not writable "
-            f"({type(e).__name__}: {str(e)[:200]}); start it (make services) or set "
-            "MLFLOW_TRACKING_URI to a running server"
-        ) from None
+            f"the artifact store {location} cannot be listed ({type(e).__name__}: "
+            f"{str(e)[:300]}): check that the bucket exists and its endpoint answers, and the "
+            "S3 keys (the MLflow server's own, for mlflow-artifacts:; AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or TRAINFLOW_S3_SECRET_BLOCK, for an s3:// root)") from None
 
 
 def check_dataset(dataset: DatasetSpec) -> None:
