@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -93,7 +94,7 @@ def stack(tmp_path_factory):
 
 
 def test_a_deployment_runs_through_the_worker_and_its_model_lands_in_the_bucket(stack):
-    prefect("deploy", "--name", "digits", "--pool", services.POOL, env=stack.user_env)
+    prefect("deploy", "--name", "digits", "--name", "digits-champion", env=stack.user_env)
     out = prefect("deployment", "run", "train-flow/digits", "--param",
                   f"training={json.dumps(SMALL)}", "--watch", env=stack.user_env)
     assert "Completed" in out
@@ -162,7 +163,6 @@ def test_the_champion_loads_in_a_fresh_interpreter_with_only_the_url_and_credent
 
 
 def test_predict_flow_scores_with_the_champion_read_from_the_bucket(stack):
-    prefect("deploy", "--name", "digits-champion", "--pool", services.POOL, env=stack.user_env)
     out = prefect("deployment", "run", "predict-flow/digits-champion", "--watch",
                   env=stack.user_env)
     assert "Completed" in out
@@ -171,6 +171,19 @@ def test_predict_flow_scores_with_the_champion_read_from_the_bucket(stack):
     champion = client.get_model_version_by_alias(MODEL, "champion")
     assert scored[0].data.metrics["images"] == 1797 and scored[0].data.metrics["errors"] == 0
     assert scored[0].data.tags["trainflow.model_version"] == champion.version
+    wait_idle(stack)  # the run digits-champion's trigger started too
+
+
+def wait_idle(stack: Stack, timeout: float = 300) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    deadline = time.monotonic() + timeout
+    with temporary_settings({PREFECT_API_URL: stack.client_env["PREFECT_API_URL"]}), \
+            get_client(sync_client=True) as client:
+        while any(r.state is None or not r.state.is_final() for r in client.read_flow_runs()):
+            assert time.monotonic() < deadline, "flow runs still running"
+            time.sleep(2)
 
 
 def _files_containing(root: Path, needles: list[bytes]) -> list[str]:
