@@ -19,6 +19,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import Field
 
+from tasks.infrastructure import end_with_worker
 from tasks.preflight import check_mlflow
 from tasks.score import Scores, find_images, publish_scores, resolve_model, score_images
 from training.storage import home
@@ -33,6 +34,7 @@ def predict_flow(images: str, model_name: str = "train-flow-model", alias: str =
     images: a folder (searched recursively), "kaggle:competitions/<slug>" (its test set) or
     "builtin:digits"; subdir: a folder inside it to score instead.
     """
+    end_with_worker()  # tasks/infrastructure.py: a worker's flow runs end with it
     check_mlflow()
     run_dir = home() / "scoring" / str(flow_run.get_id())
     model = resolve_model(model_name, alias, run_dir / "model")

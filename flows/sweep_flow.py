@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from tasks.data import prepare_dataset, split_dataset
 from tasks.evaluate import Evaluation, evaluate_model
+from tasks.infrastructure import end_with_worker
 from tasks.lineage import lineage_tags
 from tasks.parameters import BLOCKS, resolve_parameters
 from tasks.preflight import check_before_start
@@ -53,6 +54,7 @@ def sweep_flow(
     storage: str | None = None,
     pruning_warmup_epochs: int = 1,
 ) -> SweepResult:
+    end_with_worker()  # tasks/infrastructure.py: a worker's flow runs end with it
     specs = resolve_parameters({"dataset": dataset, "split": split, "training": training,
                                 "registry": registry})
     dataset, split, training, registry = (specs[k] for k in BLOCKS)

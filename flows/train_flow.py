@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from tasks.data import prepare_dataset, split_dataset
 from tasks.evaluate import Evaluation, evaluate_model
+from tasks.infrastructure import end_with_worker
 from tasks.lineage import FLOW_RUN_URL, find_unchanged_champion, lineage_tags
 from tasks.parameters import BLOCKS, resolve_parameters
 from tasks.preflight import check_before_start
@@ -52,6 +53,7 @@ def train_flow(
     registry: RegistrySpec = RegistrySpec(),  # noqa: B008
     force: bool = False,
 ) -> FlowResult:
+    end_with_worker()  # tasks/infrastructure.py: a worker's flow runs end with it
     specs = resolve_parameters({"dataset": dataset, "split": split, "training": training,
                                 "registry": registry})
     dataset, split, training, registry = (specs[k] for k in BLOCKS)

@@ -49,25 +49,40 @@ class EpochLogger:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._log({"metrics": metrics, "step": step, "timestamp": int(time.time() * 1000)})
 
-    def flush(self) -> int:
-        """Wait for what was sent, retry what failed once; return how many batches are unsent."""
+    def flush(self, patience_s: float | None = None) -> int:
+        """Wait for what was sent; resend what failed, with backoff, for up to `patience_s`
+        (TRAINFLOW_MLFLOW_PATIENCE_S, default 60 s: a server restarted meanwhile gets every
+        epoch); return how many batches are still unsent."""
         if self._client is None:
             return 0
-        unsent = 0
+        if patience_s is None:
+            patience_s = float(os.environ.get("TRAINFLOW_MLFLOW_PATIENCE_S", "60"))
+        failed = []
         for batch, operation in self._sent:
             try:
                 if isinstance(operation, Exception):
                     raise operation
                 operation.wait()
-            except Exception as first:
+            except Exception as e:
+                failed.append((batch, e))
+        self._sent.clear()
+        deadline, delay = time.monotonic() + patience_s, 1.0
+        while failed:
+            still = []
+            for batch, _ in failed:
                 try:
                     self._send(batch, synchronous=True)
-                except Exception:
+                except Exception as e:
                     if not self._already_logged(batch):
-                        unsent += 1
-                        self._on_error(f"{type(first).__name__}: {str(first)[:300]}")
-        self._sent.clear()
-        return unsent
+                        still.append((batch, e))
+            failed = still
+            if not failed or time.monotonic() + delay > deadline:
+                break
+            time.sleep(delay)
+            delay = min(2 * delay, 10.0)
+        for _, error in failed:
+            self._on_error(f"{type(error).__name__}: {str(error)[:300]}")
+        return len(failed)
 
     def _log(self, batch: dict) -> None:
         if self._client is None:

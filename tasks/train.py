@@ -74,8 +74,10 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
             else:
                 events = launch(job.training, "training.train", args, job.output_dir, logger,
                                 on_event, extra_env)
-    finally:
-        unsent = tracker.flush()  # what the finished epochs logged is kept even on failure
+    except BaseException:
+        tracker.flush(patience_s=0)  # what the finished epochs logged is kept even on failure
+        raise
+    unsent = tracker.flush()
     result = last_from_rank_0(events, Trained)
     if result is None:
         raise RuntimeError("training exited cleanly but rank 0 reported no result")

@@ -32,9 +32,10 @@ def started(command: list[str], url: str, log: Path, env: dict | None = None,
 
 
 @contextlib.contextmanager
-def mlflow_server(folder: Path) -> Iterator[str]:
+def mlflow_server(folder: Path, port: int | None = None) -> Iterator[str]:
+    """An MLflow server on `folder`'s store; the same folder and port again is a restart."""
     folder.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     command = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
                "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
                "--artifacts-destination", str(folder / "artifacts"), "--workers", "1"]

@@ -7,9 +7,12 @@ flow runs in the worker's subprocess; the test reads the results through both AP
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +35,8 @@ SMALL = {"epochs": 1, "image_size": 12, "batch_size": 50, "num_processes": 2}
 class Stack:
     env: dict
     home: Path
+    folder: Path  # pid files and logs
+    start: Callable[[], dict]  # starts what is not running (a restart after a kill)
 
     @property
     def api(self) -> str:
@@ -48,14 +53,18 @@ def stack(tmp_path_factory):
     home = folder / "home"
     extra = {"TRAINFLOW_HOME": str(home), "PREFECT_HOME": str(folder / "prefect"),
              "PWD": str(REPO)}  # prefect.yaml's pull step is "{{ $PWD }}" at deploy time
+    ports = free_port(), free_port()
+
+    def start() -> dict:
+        return services.start(folder / "services", *ports, pool="e2e-pool", extra_env=extra)
+
     try:
-        env = services.start(folder / "services", free_port(), free_port(), pool="e2e-pool",
-                             extra_env=extra)
+        env = start()
         done = subprocess.run([PREFECT, "--no-prompt", "deploy", "--name", "digits", "--pool",
                                "e2e-pool"], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=180)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        yield Stack(env, home)
+        yield Stack(env, home, folder / "services", start)
     finally:
         services.stop(folder / "services")
 
@@ -454,3 +463,66 @@ def test_a_new_kaggle_version_reaches_the_next_deployment_run(stack, tmp_path):
     assert len(versions) == 2
     [new] = [v for v in versions if v.tags[FLOW_RUN_ID] == third]
     assert new.tags["trainflow.compared_with_version"] == "1"
+
+
+def rank_pids_once_training(stack: Stack, flow_run_id: str, timeout: float = 300) -> list[int]:
+    """The ranks' pids, once rank 0 has finished an epoch."""
+    progress = stack.home / "runs" / flow_run_id / "train"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (progress / "progress").exists():
+            events = ProgressReader(progress).poll()
+            if any(e.event == "epoch" for e in events):
+                return [e.pid for e in events if e.event == "start"]
+        time.sleep(0.5)
+    raise AssertionError("training never finished an epoch")
+
+
+def kill_service(stack: Stack, name: str, sig: int = signal.SIGKILL) -> int:
+    pid = int((stack.folder / f"{name}.pid").read_text())
+    os.kill(pid, sig)
+    deadline = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid)
+    return pid
+
+
+def test_the_prefect_server_restarted_during_training_does_not_stop_the_run(stack):
+    """The API is gone for 15 s mid-training (epochs of ~2.5 s): the ranks go on, the clients retry, the run
+    completes and registers once, and the restarted server shows it."""
+    flow_run_id = run_deployment(
+        stack, {"training": {**SMALL, "epochs": 14, "heartbeat_steps": 1},
+                "registry": {"model_name": "prefect-restart"}},
+        env={"TRAINFLOW_FAULT": "slow:step=0.15"})
+    ranks = rank_pids_once_training(stack, flow_run_id)
+    kill_service(stack, "prefect-server")
+    time.sleep(15)
+    assert all(alive(p) for p in ranks), "the ranks died with the API"
+    stack.start()
+    run = wait_final(stack, flow_run_id)
+    assert run.state.is_completed(), run.state.message
+    assert not any(alive(p) for p in ranks)
+    versions = stack.mlflow.search_model_versions("name='prefect-restart'")
+    assert [v.tags[FLOW_RUN_ID] for v in versions] == [flow_run_id]
+
+
+def test_a_killed_worker_crashes_its_run_takes_the_ranks_and_the_next_run_is_clean(stack):
+    flow_run_id = run_deployment(
+        stack, {"training": {**SMALL, "epochs": 30, "heartbeat_steps": 1},
+                "registry": {"model_name": "worker-kill"}},
+        env={"TRAINFLOW_FAULT": "slow:step=0.15"})
+    ranks = rank_pids_once_training(stack, flow_run_id)
+    kill_service(stack, "worker")
+    deadline = time.monotonic() + 60
+    while any(alive(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in ranks), "ranks outlived their worker"
+    run = wait_final(stack, flow_run_id, timeout=120)
+    assert run.state.is_crashed(), run.state
+    stack.start()  # a new worker
+    again = run_deployment(stack, {"training": SMALL, "registry": {"model_name": "worker-kill"}})
+    assert wait_final(stack, again).state.is_completed()
+    versions = stack.mlflow.search_model_versions("name='worker-kill'")
+    assert [v.tags[FLOW_RUN_ID] for v in versions] == [again]
+    assert mlflow_run_of(stack, flow_run_id).info.status in ("FAILED", "KILLED")

@@ -19,6 +19,7 @@ from tests.servers import mlflow_server
 from training.config import TrainingSpec
 from training.engine.progress import ProgressReader
 from training.handoff import TrainJob
+from training.processes import free_port
 from training.storage import atomic_path, tracking_uri
 
 LOG = logging.getLogger("test-faults")
@@ -58,6 +59,7 @@ def test_mlflow_going_down_mid_training_keeps_the_weights(digits_split, tmp_path
                    training={"epochs": 3, "image_size": 12, "batch_size": 50,
                              "num_processes": 2, "heartbeat_steps": 1})
     monkeypatch.setenv("TRAINFLOW_FAULT", "slow:step=0.1")
+    monkeypatch.setenv("TRAINFLOW_MLFLOW_PATIENCE_S", "2")  # it does not come back
     stopped = threading.Event()
 
     def stop_server_after_epoch_1():
@@ -82,6 +84,52 @@ def test_mlflow_going_down_mid_training_keeps_the_weights(digits_split, tmp_path
     assert [h.epoch for h in result.history] == [1, 2, 3]
     assert result.mlflow_unsent > 0  # the task reports what could not be logged
     assert load_file(result.weights)  # the trained weights are on disk and readable
+
+
+def test_mlflow_restarted_during_training_gets_every_epoch(digits_split, tmp_path, monkeypatch):
+    """The server is killed during epoch 2 and started again 20 s later on the same store: the
+    training goes on, and the epochs logged while it was down arrive once it is back."""
+    _, split = digits_split
+    port = free_port()
+    first = mlflow_server(tmp_path / "mlflow", port)
+    url = first.__enter__()
+    client = MlflowClient(url)
+    run_id = client.create_run(client.create_experiment("restart")).info.run_id
+    job = TrainJob(split=split, output_dir=tmp_path / "train",
+                   training={"epochs": 4, "image_size": 12, "batch_size": 50,
+                             "num_processes": 2, "heartbeat_steps": 1})
+    monkeypatch.setenv("TRAINFLOW_FAULT", "slow:step=0.2")
+    down_at, back = [], threading.Event()
+    second = mlflow_server(tmp_path / "mlflow", port)
+
+    def restart_during_epoch_2():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if any(e.event == "epoch" for e in ProgressReader(job.output_dir).poll()):
+                first.__exit__(None, None, None)
+                down_at.append(time.monotonic())
+                time.sleep(20)
+                second.__enter__()
+                back.set()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=restart_during_epoch_2)
+    watcher.start()
+    try:
+        result = run_training(job, LOG, mlflow_run_id=run_id, tracking_uri=url)
+    finally:
+        watcher.join(180)
+        if back.is_set():
+            second.__exit__(None, None, None)
+        elif not down_at:
+            first.__exit__(None, None, None)
+    assert down_at and back.is_set()
+    assert [h.epoch for h in result.history] == [1, 2, 3, 4]
+    assert result.mlflow_unsent == 0
+    with mlflow_server(tmp_path / "mlflow") as again:
+        history = MlflowClient(again).get_metric_history(run_id, "train_loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]
 
 
 def test_bf16_on_a_cpu_without_bf16_instructions_is_refused_before_work(monkeypatch):
