@@ -10,7 +10,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_TELEMETRY_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 
-.PHONY: install lock demo test test-fast lint services stop bench bench-quality bench-scale clean
+.PHONY: install lock demo test test-fast lint services stop bench bench-quality bench-scale soak clean
 
 install: $(VENV)/.installed
 
@@ -68,6 +68,12 @@ bench-quality: install
 # the whole flow against the tutorial-style script, 2 epochs
 bench-scale: install
 	$(PY) -m bench.scale --images 25000 --pairs 1 --train --epochs 2
+
+# About 20 digits flow runs against one stack, 10 of them with faults (killed, preempted and
+# hung ranks, MLflow and Prefect servers restarted, a corrupt image, a bad parameter), then an
+# audit of what was left behind (bench/soak.py; its table is in bench/RESULTS.md)
+soak: install
+	$(PY) -m bench.soak --runs 20 --faults 10
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -22,14 +22,14 @@ def set_champion(model_name: str, version: str, reason: str) -> str:
     from tasks.gate import one_decision_at_a_time
     from tasks.lineage import CHAMPION, champion_version
     from tasks.register import PROMOTION, PROMOTION_REASON
-    from training.storage import tracking_uri
+    from training.storage import redacted, tracking_uri
 
     client = MlflowClient(tracking_uri())
     try:
         client.get_model_version(model_name, version)
     except MlflowException:
         raise SystemExit(f"no version {version} of registered model {model_name!r} in "
-                         f"{tracking_uri()}; list them in the MLflow UI (Models)") from None
+                         f"{redacted(tracking_uri())}; list them in the MLflow UI (Models)") from None
     with one_decision_at_a_time(model_name):
         before = champion_version(client, model_name)
         client.set_registered_model_alias(model_name, CHAMPION, version)

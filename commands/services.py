@@ -77,7 +77,9 @@ def services_env(prefect_port: int, mlflow_port: int, extra: dict | None = None)
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             # Notice a cancelled flow run in seconds even when the event stream is quiet, so
             # that training ranks stop holding GPUs soon after the user cancels.
-            "PREFECT_WORKER_CANCELLATION_POLL_SECONDS": "2", **(extra or {})}
+            "PREFECT_WORKER_CANCELLATION_POLL_SECONDS": "2",
+            # A scheduled run that starts while MLflow restarts waits for it (tasks/preflight.py).
+            "TRAINFLOW_MLFLOW_WAIT_S": "60", **(extra or {})}
 
 
 def start(folder: Path, prefect_port: int, mlflow_port: int, pool: str = POOL,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from tasks.mlflow_logging import fail_fast_http
 from training.config import DatasetSpec, TrainingSpec
 from training.data.kaggle import MISSING_CREDENTIALS, find_credentials
 from training.data.sources import check_source
-from training.storage import home, tracking_uri
+from training.storage import home, redacted, tracking_uri
 
 
 class PreflightError(RuntimeError):
@@ -42,25 +43,38 @@ def check_mlflow() -> None:
 
     uri = tracking_uri()
     client = MlflowClient(uri)
-    try:
-        experiment = client.get_experiment(experiment_id(client))
-    except MlflowException as e:
-        if e.get_http_status_code() in (401, 403):
-            user = os.environ.get("MLFLOW_TRACKING_USERNAME")
-            raise PreflightError(
-                f"MLflow at {uri} refused the credentials "
-                f"({'user ' + repr(user) if user else 'none given'}; HTTP "
-                f"{e.get_http_status_code()}): set MLFLOW_TRACKING_USERNAME and "
-                "MLFLOW_TRACKING_PASSWORD, or name a Prefect Secret block holding them in "
-                "TRAINFLOW_MLFLOW_SECRET_BLOCK") from None
-        raise PreflightError(_unreachable(uri, e)) from None
-    except Exception as e:
-        raise PreflightError(_unreachable(uri, e)) from None
+    # A deployment run may start while the server restarts: the services' workers wait up to
+    # TRAINFLOW_MLFLOW_WAIT_S for it (60 s); a hand-started run (0 s) is told at once.
+    deadline = time.monotonic() + float(os.environ.get("TRAINFLOW_MLFLOW_WAIT_S", "0"))
+    while True:
+        try:
+            experiment = client.get_experiment(experiment_id(client))
+            break
+        except MlflowException as e:
+            if e.get_http_status_code() in (401, 403):
+                user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+                raise PreflightError(
+                    f"MLflow at {redacted(uri)} refused the credentials "
+                    f"({'user ' + repr(user) if user else 'none given'}; HTTP "
+                    f"{e.get_http_status_code()}): set MLFLOW_TRACKING_USERNAME and "
+                    "MLFLOW_TRACKING_PASSWORD, or name a Prefect Secret block holding them in "
+                    "TRAINFLOW_MLFLOW_SECRET_BLOCK") from None
+            problem = _unreachable(uri, e)
+        except Exception as e:
+            problem = _unreachable(uri, e)
+        if time.monotonic() > deadline or "refused its user and password" in problem:
+            raise PreflightError(problem)
+        run_logger().warning("%s; trying again for up to %.0f s more", problem,
+                             deadline - time.monotonic())
+        time.sleep(3)
     check_artifact_store(uri, experiment.artifact_location)
 
 
 def _unreachable(uri: str, e: Exception) -> str:
-    return (f"MLflow tracking store {uri} is not reachable or not writable "
+    if "password authentication failed" in str(e):
+        return (f"the database of MLflow tracking store {redacted(uri)} refused its user and "
+                "password: correct them in MLFLOW_TRACKING_URI")
+    return (f"MLflow tracking store {redacted(uri)} is not reachable or not writable "
             f"({type(e).__name__}: {str(e)[:200]}); start it (make services) or set "
             "MLFLOW_TRACKING_URI to a running server")
 
@@ -192,4 +206,4 @@ def check_before_start(dataset: DatasetSpec, training: TrainingSpec) -> None:
     check_dataset(dataset)
     check_training(training)
     run_logger().info("preflight passed: MLflow at %s, dataset %s, %s processes",
-                          tracking_uri(), dataset.source, training.resolved_num_processes())
+                          redacted(tracking_uri()), dataset.source, training.resolved_num_processes())

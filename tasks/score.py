@@ -22,7 +22,7 @@ from trainflow_serving.images import IMAGE_EXTENSIONS
 from training.config import DatasetSpec, TrainingSpec
 from training.data.sources import fetch
 from training.engine.events import ScoringFinished, last_from_rank_0
-from training.storage import home, tracking_uri, write_text_atomic
+from training.storage import home, redacted, tracking_uri, write_text_atomic
 
 KAGGLE_TEST_FOLDERS = ("test", "test1")  # where competitions keep their unlabelled images
 DOGS_VS_CATS = ("dogs-vs-cats-redux-kernels-edition", "dogs-vs-cats")
@@ -65,7 +65,7 @@ def resolve_model(model_name: str, alias: str, folder: Path) -> ScoringModel:
         try:
             known = sorted(client.get_registered_model(model_name).aliases)
         except MlflowException:
-            raise ScoringError(f"no registered model {model_name!r} in {tracking_uri()}; train "
+            raise ScoringError(f"no registered model {model_name!r} in {redacted(tracking_uri())}; train "
                                "one with train-flow or give model_name of an existing one"
                                ) from None
         raise ScoringError(f"model {model_name!r} has no alias {alias!r}; its aliases: "

@@ -480,7 +480,7 @@ def rank_pids_once_training(stack: Stack, flow_run_id: str, timeout: float = 300
 
 def kill_service(stack: Stack, name: str, sig: int = signal.SIGKILL) -> int:
     pid = int((stack.folder / f"{name}.pid").read_text())
-    os.kill(pid, sig)
+    os.killpg(pid, sig)  # the service and the processes it started in its group
     deadline = time.monotonic() + 30
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -251,6 +251,20 @@ def test_a_wrong_password_fails_in_preflight_before_any_download(stack, tmp_path
     assert not (tmp_path / "home" / "datasets").exists()
 
 
+def test_a_database_that_refuses_the_password_fails_in_preflight_without_showing_it(
+        stack, tmp_path):
+    """A team pointing MLFLOW_TRACKING_URI at its database, with a wrong password."""
+    ports = json.loads((stack.folder / "ports.json").read_text())
+    wrong = "wrong-db-password-8e1f"
+    env = {**stack.user_env, "TRAINFLOW_HOME": str(tmp_path / "home"), "MLFLOW_TRACKING_URI":
+           f"postgresql+psycopg://postgres:{wrong}@127.0.0.1:{ports['postgres']}/mlflow"}
+    done = trainflow("train", "--dataset.source", "builtin:digits", env=env)
+    assert done.returncode != 0
+    assert "refused its user and password" in done.stdout + done.stderr
+    assert wrong not in done.stdout + done.stderr
+    assert not (tmp_path / "home" / "datasets").exists()
+
+
 def test_a_stopped_bucket_fails_in_preflight_and_a_restart_keeps_every_version(
         stack, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", stack.client_env["MLFLOW_TRACKING_URI"])

@@ -54,3 +54,39 @@ def test_kaggle_key_never_leaks(prefect_engine, session_home, monkeypatch):
     # The MLflow store (SQLite file + artifacts), run folders, job files and progress events.
     assert _files_containing(session_home, KEY.encode()) == []
     assert _files_containing(Path(os.environ["PREFECT_HOME"]), KEY.encode()) == []
+
+
+def test_secret_blocks_fill_the_flow_process_and_never_the_ranks(prefect_engine, monkeypatch):
+    from prefect.blocks.system import Secret
+
+    from tasks.credentials import MissingSecretBlock, use_secret_blocks
+    from tasks.launcher import launch_env
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_USERNAME",
+                 "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    Secret(value={"access_key_id": "AKIATEST", "secret_access_key": "S3-PLANTED-91c"}).save(
+        "s3-test", overwrite=True)
+    monkeypatch.setenv("TRAINFLOW_S3_SECRET_BLOCK", "s3-test")
+    assert use_secret_blocks() == ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] == "S3-PLANTED-91c"
+    # The training ranks' environment holds none of it.
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "MLFLOW-PLANTED-3d")
+    ranks = launch_env()
+    assert "S3-PLANTED-91c" not in ranks.values() and "MLFLOW-PLANTED-3d" not in ranks.values()
+
+    Secret(value={"username": "u"}).save("mlflow-test", overwrite=True)
+    monkeypatch.setenv("TRAINFLOW_MLFLOW_SECRET_BLOCK", "mlflow-test")
+    with pytest.raises(MissingSecretBlock, match="lacks password"):
+        use_secret_blocks()
+    monkeypatch.setenv("TRAINFLOW_MLFLOW_SECRET_BLOCK", "no-such-block")
+    with pytest.raises(MissingSecretBlock, match="does not exist"):
+        use_secret_blocks()
+
+
+def test_a_database_uri_shows_no_password():
+    from training.storage import redacted
+
+    assert redacted("postgresql+psycopg://team:s3cret@db:5432/mlflow") == \
+        "postgresql+psycopg://team:***@db:5432/mlflow"
+    assert redacted("http://127.0.0.1:5000") == "http://127.0.0.1:5000"

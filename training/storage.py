@@ -22,6 +22,18 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home() / 'mlflow.db'}"
 
 
+def redacted(uri: str) -> str:
+    """`uri` with any password replaced by ***, for messages and logs (a database tracking URI
+    carries one)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if not parts.password:
+        return uri
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
 @contextlib.contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
     """Yield a temporary path beside `final`; rename it into place only if the block succeeds.
