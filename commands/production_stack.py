@@ -213,6 +213,23 @@ def _mlflow_env(folder: Path, ports: StackPorts, keys: StackSecrets) -> dict[str
             "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+def _check_ports(folder: Path, ports: StackPorts) -> None:
+    """A port that another program holds is named before anything starts."""
+    from training.processes import alive, port_in_use
+
+    names = {"postgres": "postgres", "s3": "s3", "prefect": "prefect-server",
+             "mlflow": "mlflow-server"}
+    for field, service in names.items():
+        pid_file = folder / f"{service}.pid"
+        ours = pid_file.exists() and alive(int(pid_file.read_text()))
+        port = getattr(ports, field)
+        if not ours and port_in_use(port):
+            raise SystemExit(
+                f"port {port} ({service}) is taken by another program: stop it, or start the "
+                f"stack in a new folder with --{field}-port <free port> (this folder's ports "
+                f"are fixed in {folder / 'ports.json'})")
+
+
 def client_env(folder: Path) -> dict[str, str]:
     """What a client of the stack needs: the two URLs and MLflow's user and password."""
     ports = StackPorts(**json.loads((folder / "ports.json").read_text()))
@@ -236,6 +253,7 @@ def start(folder: Path, asked: StackPorts = StackPorts(), pool: str = POOL,
     folder.mkdir(parents=True, exist_ok=True)
     keys = StackSecrets.load_or_create(folder)
     ports = _ports(folder, asked)
+    _check_ports(folder, ports)
     _start_postgres(folder, ports, keys)
     _start_s3(folder, ports, keys)
 

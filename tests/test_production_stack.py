@@ -299,3 +299,19 @@ def test_a_stopped_bucket_fails_in_preflight_and_a_restart_keeps_every_version(
     assert (Path(local) / "artifacts" / "best.safetensors").stat().st_size > 1000
     again = stack.start()  # a second start keeps what runs
     assert again.returncode == 0 and again.stdout.count("already running") == 5
+
+
+def test_a_taken_port_is_named_before_anything_starts(tmp_path):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        done = trainflow("services", "start", "--stack", "production", "--folder",
+                         tmp_path / "services", "--postgres-port", free_port(), "--s3-port",
+                         taken, "--prefect-port", free_port(), "--mlflow-port", free_port(),
+                         env=dict(os.environ))
+    assert done.returncode != 0
+    assert f"port {taken} (s3) is taken" in done.stderr and "--s3-port" in done.stderr
+    assert not list((tmp_path / "services").glob("*.pid"))  # nothing was started
