@@ -15,7 +15,8 @@ per chosen run, cycling through the kinds:
                    again 10 s later
   prefect_restart  the same for the Prefect server
   corrupt_image    a file that is not an image is added to the data before the run
-  bad_parameter    the run asks for epochs=0 (refused before any work)
+  bad_parameter    the run asks for epochs=0 (the server refuses to create it, naming the
+                   field: the deployment's parameter schema)
 
 Then the audit: every run final; every completed run has exactly one model version, with its
 files; every failed run failed with a named cause (and only the runs meant to fail); the
@@ -134,9 +135,16 @@ def submit(run: Run, data: Path, root: Path) -> None:
         (data / "3" / f"corrupt-{run.index}.png").write_bytes(b"not an image at all")
     elif run.fault == "bad_parameter":
         training["epochs"] = 0
-    flow_run = run_deployment("train-flow/digits", timeout=0, job_variables={"env": env},
-                              parameters={"dataset": {"source": str(data)}, "training": training,
-                                          "registry": {"model_name": MODEL}, "force": True})
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    try:
+        flow_run = run_deployment("train-flow/digits", timeout=0, job_variables={"env": env},
+                                  parameters={"dataset": {"source": str(data)},
+                                              "training": training,
+                                              "registry": {"model_name": MODEL}, "force": True})
+    except PrefectHTTPStatusError as e:  # the server checks parameters against the schema
+        run.state, run.message = "REFUSED", e.response.json().get("detail", str(e))
+        return
     run.flow_run_id = str(flow_run.id)
 
 
@@ -153,13 +161,14 @@ def states(runs: list[Run]) -> None:
 
     with get_client(sync_client=True) as client:
         for run in runs:
-            if run.flow_run_id:
+            if run.flow_run_id and run.state not in FINAL:
                 flow_run = client.read_flow_run(run.flow_run_id)
                 run.state = flow_run.state.type.value if flow_run.state else ""
                 run.message = (flow_run.state.message or "") if flow_run.state else ""
 
 
-FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED", "REFUSED"}
+"""REFUSED: the Prefect server would not create the run (a parameter outside its schema)."""
 
 
 def drive(stack: Stack, runs: list[Run], data: Path, interval: float, timeout: float) -> None:
@@ -172,8 +181,8 @@ def drive(stack: Stack, runs: list[Run], data: Path, interval: float, timeout: f
         if queue and time.monotonic() >= next_submit:
             run = queue.pop(0)
             submit(run, data, stack.root)
-            print(f"submitted run {run.index} ({run.fault or 'no fault'}): {run.flow_run_id}",
-                  flush=True)
+            print(f"submitted run {run.index} ({run.fault or 'no fault'}): "
+                  f"{run.flow_run_id or run.message}", flush=True)
             next_submit = time.monotonic() + interval
         for run in list(pending_restarts):
             if run.flow_run_id and trained_an_epoch(home, run):
