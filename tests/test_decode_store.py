@@ -164,3 +164,40 @@ def test_a_full_disk_is_named_before_decoding(tmp_path):
         assert decoded == 40 and result.size("train") > 0
     finally:
         subprocess.run(["umount", "--lazy", str(home)], check=True)
+
+
+ONE_SPLIT = r"""
+import sys, time
+from pathlib import Path
+from tests.test_decode_store import _split
+folder, home, seed, start = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+time.sleep(max(0.0, start - time.time()))  # both processes begin at the same instant
+result, decoded = _split(folder, home, {"train": 12, "val": 12, "test": 12}, seed=seed)
+print(decoded, result.manifest)
+"""
+
+
+def test_two_runs_splitting_one_dataset_at_once_decode_each_image_once(tmp_path, home):
+    """Two flow runs of one deployment starting together: one decodes, the other waits for
+    the store's lock and finds every image there, never a half-written store."""
+    import sys
+    import time
+
+    folder = tmp_path / "d"
+    write_filename_layout(folder, {"cat": 60, "dog": 60}, size=40)
+    start = time.time() + 8  # after both interpreters have imported torch
+    procs = [subprocess.Popen([sys.executable, "-c", ONE_SPLIT, str(folder), str(home), str(seed),
+                               str(start)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "TRAINFLOW_HOME": str(home)})
+             for seed in (1, 1)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outputs]
+    decoded = [int(out.split()[0]) for out, _ in outputs]
+    assert sorted(decoded) == [0, 120]  # one decoded everything; the other, nothing
+    assert len({out.split()[1] for out, _ in outputs}) == 1  # the same split
+    result, again = _split(folder, home, {"train": 12, "val": 12, "test": 12}, seed=1)
+    assert again == 0
+    for name in ("train", "val", "test"):  # every row is its file's pixels: nothing half-written
+        images = decode_split(result, name, 12, 3)
+        for i in range(len(images)):
+            assert np.array_equal(images[i], load_resized(folder / images.paths[i], 12, 3))
