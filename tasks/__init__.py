@@ -12,6 +12,10 @@ RESUMABLE = {"persist_result": True, "result_serializer": "json",
 policy): its result is kept as JSON, never pickled, and found again only by the same flow run
 with the same inputs and the same task code, so nothing is reused across data or specs."""
 
+MLFLOW_RETRIES = {"retries": 3, "retry_delay_seconds": [5, 15, 30]}
+"""For the stages that write to MLflow: 50 s in all, longer than a tracking server's restart
+(a whole epoch's metrics, an evaluation or a registration is not lost to one)."""
+
 
 def run_logger() -> logging.Logger | logging.LoggerAdapter:
     """The Prefect run logger inside a run; a plain logger when a task is called via `.fn`."""

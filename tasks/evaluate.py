@@ -11,7 +11,7 @@ from mlflow.entities import Metric, Param
 from prefect import task
 from pydantic import BaseModel
 
-from tasks import RESUMABLE, run_logger
+from tasks import MLFLOW_RETRIES, RESUMABLE, run_logger
 from tasks.launcher import launch
 from tasks.train import evaluation_dir
 from training.engine.events import ClassFigures, Evaluated, TestMetrics, last_from_rank_0
@@ -53,7 +53,7 @@ def _evaluation(metrics: TestMetrics, out: Path) -> Evaluation:
                       predictions=out / "predictions.csv")
 
 
-@task(**RESUMABLE)
+@task(**RESUMABLE, **MLFLOW_RETRIES)
 def evaluate_model(trained: TrainResult, mlflow_run_id: str) -> Evaluation:
     """Evaluate the best weights on the test split, once per image, and log the results."""
     logger = run_logger()

@@ -20,7 +20,7 @@ from prefect.input import RunInput
 from pydantic import BaseModel, Field
 
 import trainflow_serving
-from tasks import run_logger
+from tasks import MLFLOW_RETRIES, run_logger
 from tasks.evaluate import Evaluation
 from tasks.gate import SameImages, champion_class_names, one_decision_at_a_time, score_champion
 from tasks.lineage import CHALLENGER, CHAMPION, FLOW_RUN_ID, champion_version, metric_tag
@@ -260,7 +260,7 @@ def record(client: MlflowClient, registration: Registration, approval: str) -> R
     return r.model_copy(update={"aliases": sorted(aliases)})
 
 
-@task(retries=2, retry_delay_seconds=3)
+@task(**MLFLOW_RETRIES)
 def register_model(trained: TrainResult, evaluation: Evaluation, registry: RegistrySpec,
                    mlflow_run_id: str, lineage: dict[str, str]) -> Registration:
     """Register a version (once per flow run); move `champion` only for a better model."""

@@ -13,7 +13,7 @@ from mlflow.entities import Dataset, DatasetInput, InputTag
 from prefect import task
 from prefect.runtime import flow_run
 
-from tasks import RESUMABLE
+from tasks import MLFLOW_RETRIES, RESUMABLE, run_logger
 from tasks.lineage import DATASET_SOURCE, GIT_COMMIT
 from training.data.split import SPLITS, read_manifest
 from training.handoff import SplitResult
@@ -74,7 +74,7 @@ def fluent_mlflow(uri: str | None) -> Iterator[None]:
         mlflow.set_tracking_uri(before)  # None: unset again
 
 
-@task(**RESUMABLE)
+@task(**RESUMABLE, **MLFLOW_RETRIES)
 def open_mlflow_run(lineage: dict[str, str], data: SplitResult, flow_name: str = "train-flow"
                     ) -> str:
     """Create the flow's MLflow run, tagged with its lineage (Prefect run, code, data), with
@@ -123,7 +123,12 @@ def failing_with_the_flow(run_id: str) -> Iterator[None]:
     try:
         yield
     except BaseException as e:
-        close_mlflow_run.fn(run_id, "FAILED" if isinstance(e, Exception) else "KILLED")
+        status = "FAILED" if isinstance(e, Exception) else "KILLED"
+        try:
+            close_mlflow_run.fn(run_id, status)
+        except Exception as unreachable:  # MLflow down too: the flow's own error is the news
+            run_logger().warning("could not mark MLflow run %s %s (%s); it stays RUNNING until "
+                                 "closed by hand", run_id, status, type(unreachable).__name__)
         raise
 
 
