@@ -465,6 +465,15 @@ def test_a_new_kaggle_version_reaches_the_next_deployment_run(stack, tmp_path):
     assert new.tags["trainflow.compared_with_version"] == "1"
 
 
+def slow_training(stack: Stack, model_name: str, epochs: int) -> tuple[str, list[int]]:
+    """A deployment run whose epochs take ~2.5 s, and its ranks' pids once one has ended."""
+    flow_run_id = run_deployment(
+        stack, {"training": {**SMALL, "epochs": epochs, "heartbeat_steps": 1},
+                "registry": {"model_name": model_name}},
+        env={"TRAINFLOW_FAULT": "slow:step=0.15"})
+    return flow_run_id, rank_pids_once_training(stack, flow_run_id)
+
+
 def rank_pids_once_training(stack: Stack, flow_run_id: str, timeout: float = 300) -> list[int]:
     """The ranks' pids, once rank 0 has finished an epoch."""
     progress = stack.home / "runs" / flow_run_id / "train"
@@ -489,13 +498,9 @@ def kill_service(stack: Stack, name: str, sig: int = signal.SIGKILL) -> int:
 
 
 def test_the_prefect_server_restarted_during_training_does_not_stop_the_run(stack):
-    """The API is gone for 15 s mid-training (epochs of ~2.5 s): the ranks go on, the clients retry, the run
+    """The API is gone for 15 s mid-training: the ranks go on, the clients retry, the run
     completes and registers once, and the restarted server shows it."""
-    flow_run_id = run_deployment(
-        stack, {"training": {**SMALL, "epochs": 14, "heartbeat_steps": 1},
-                "registry": {"model_name": "prefect-restart"}},
-        env={"TRAINFLOW_FAULT": "slow:step=0.15"})
-    ranks = rank_pids_once_training(stack, flow_run_id)
+    flow_run_id, ranks = slow_training(stack, "prefect-restart", epochs=14)
     kill_service(stack, "prefect-server")
     time.sleep(15)
     assert all(alive(p) for p in ranks), "the ranks died with the API"
@@ -508,11 +513,7 @@ def test_the_prefect_server_restarted_during_training_does_not_stop_the_run(stac
 
 
 def test_a_killed_worker_crashes_its_run_takes_the_ranks_and_the_next_run_is_clean(stack):
-    flow_run_id = run_deployment(
-        stack, {"training": {**SMALL, "epochs": 30, "heartbeat_steps": 1},
-                "registry": {"model_name": "worker-kill"}},
-        env={"TRAINFLOW_FAULT": "slow:step=0.15"})
-    ranks = rank_pids_once_training(stack, flow_run_id)
+    flow_run_id, ranks = slow_training(stack, "worker-kill", epochs=30)
     kill_service(stack, "worker")
     deadline = time.monotonic() + 60
     while any(alive(p) for p in ranks) and time.monotonic() < deadline:

@@ -49,31 +49,46 @@ def test_killed_rank_in_a_flow_is_retried_resumed_and_registered_once(
 
 
 @pytest.mark.slow
+def logging_training(digits_split, url: str, tmp_path, epochs: int) -> tuple[str, TrainJob]:
+    """An MLflow run on the server at `url`, and a 2-process digits job to log into it."""
+    client = MlflowClient(url)
+    run_id = client.create_run(client.create_experiment(tmp_path.name)).info.run_id
+    job = TrainJob(split=digits_split[1], output_dir=tmp_path / "train",
+                   training={"epochs": epochs, "image_size": 12, "batch_size": 50,
+                             "num_processes": 2, "heartbeat_steps": 1})
+    return run_id, job
+
+
+def when_an_epoch_ends(job: TrainJob, action) -> threading.Thread:
+    """A thread that runs `action` once rank 0 has reported its first finished epoch."""
+
+    def watch():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if (job.output_dir / "progress").exists() and any(
+                    e.event == "epoch" for e in ProgressReader(job.output_dir).poll()):
+                action()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    return watcher
+
+
 def test_mlflow_going_down_mid_training_keeps_the_weights(digits_split, tmp_path, monkeypatch):
-    _, split = digits_split
     server = mlflow_server(tmp_path / "mlflow")
     url = server.__enter__()
-    client = MlflowClient(url)
-    run_id = client.create_run(client.create_experiment("down")).info.run_id
-    job = TrainJob(split=split, output_dir=tmp_path / "train",
-                   training={"epochs": 3, "image_size": 12, "batch_size": 50,
-                             "num_processes": 2, "heartbeat_steps": 1})
+    run_id, job = logging_training(digits_split, url, tmp_path, epochs=3)
     monkeypatch.setenv("TRAINFLOW_FAULT", "slow:step=0.1")
     monkeypatch.setenv("TRAINFLOW_MLFLOW_PATIENCE_S", "2")  # it does not come back
     stopped = threading.Event()
 
-    def stop_server_after_epoch_1():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            folder = job.output_dir / "progress"
-            if folder.exists() and any(e.event == "epoch" for e in ProgressReader(job.output_dir).poll()):
-                server.__exit__(None, None, None)
-                stopped.set()
-                return
-            time.sleep(0.2)
+    def stop_server():
+        server.__exit__(None, None, None)
+        stopped.set()
 
-    watcher = threading.Thread(target=stop_server_after_epoch_1)
-    watcher.start()
+    watcher = when_an_epoch_ends(job, stop_server)
     try:
         result = run_training(job, LOG, mlflow_run_id=run_id, tracking_uri=url)
     finally:
@@ -89,33 +104,22 @@ def test_mlflow_going_down_mid_training_keeps_the_weights(digits_split, tmp_path
 def test_mlflow_restarted_during_training_gets_every_epoch(digits_split, tmp_path, monkeypatch):
     """The server is killed during epoch 2 and started again 20 s later on the same store: the
     training goes on, and the epochs logged while it was down arrive once it is back."""
-    _, split = digits_split
     port = free_port()
     first = mlflow_server(tmp_path / "mlflow", port)
     url = first.__enter__()
-    client = MlflowClient(url)
-    run_id = client.create_run(client.create_experiment("restart")).info.run_id
-    job = TrainJob(split=split, output_dir=tmp_path / "train",
-                   training={"epochs": 4, "image_size": 12, "batch_size": 50,
-                             "num_processes": 2, "heartbeat_steps": 1})
+    run_id, job = logging_training(digits_split, url, tmp_path, epochs=4)
     monkeypatch.setenv("TRAINFLOW_FAULT", "slow:step=0.2")
     down_at, back = [], threading.Event()
     second = mlflow_server(tmp_path / "mlflow", port)
 
-    def restart_during_epoch_2():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if any(e.event == "epoch" for e in ProgressReader(job.output_dir).poll()):
-                first.__exit__(None, None, None)
-                down_at.append(time.monotonic())
-                time.sleep(20)
-                second.__enter__()
-                back.set()
-                return
-            time.sleep(0.2)
+    def restart():
+        first.__exit__(None, None, None)
+        down_at.append(time.monotonic())
+        time.sleep(20)
+        second.__enter__()
+        back.set()
 
-    watcher = threading.Thread(target=restart_during_epoch_2)
-    watcher.start()
+    watcher = when_an_epoch_ends(job, restart)
     try:
         result = run_training(job, LOG, mlflow_run_id=run_id, tracking_uri=url)
     finally:
