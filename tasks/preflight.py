@@ -42,12 +42,12 @@ def check_mlflow() -> None:
     from tasks.tracking import experiment_id
 
     uri = tracking_uri()
-    client = MlflowClient(uri)
     # A deployment run may start while the server restarts: the services' workers wait up to
     # TRAINFLOW_MLFLOW_WAIT_S for it (60 s); a hand-started run (0 s) is told at once.
     deadline = time.monotonic() + float(os.environ.get("TRAINFLOW_MLFLOW_WAIT_S", "0"))
     while True:
         try:
+            client = MlflowClient(uri)  # a database store connects here already
             experiment = client.get_experiment(experiment_id(client))
             break
         except MlflowException as e:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import http.server
 import os
+import ssl
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,3 +46,72 @@ def mlflow_server(folder: Path, port: int | None = None) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     with started(command, f"{url}/health", folder / "mlflow.log"):
         yield url
+
+
+class _GitHandler(http.server.BaseHTTPRequestHandler):
+    """git's smart HTTP protocol (`git http-backend`, as a CGI) behind Basic auth."""
+
+    protocol_version = "HTTP/1.1"
+    root: Path
+    password: str
+
+    def do_GET(self):
+        self._serve()
+
+    def do_POST(self):
+        self._serve()
+
+    def _serve(self):
+        user, _, given = base64.b64decode(
+            self.headers.get("Authorization", "Basic ").removeprefix("Basic ")).decode(
+            errors="replace").partition(":")
+        if given != self.password:
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="git"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        path, _, query = self.path.partition("?")
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        env = {"PATH": os.environ["PATH"], "GIT_PROJECT_ROOT": str(self.root),
+               "GIT_HTTP_EXPORT_ALL": "1", "PATH_INFO": path, "QUERY_STRING": query,
+               "REQUEST_METHOD": self.command, "REMOTE_USER": user,
+               "CONTENT_TYPE": self.headers.get("Content-Type", ""),
+               "CONTENT_LENGTH": str(len(body))}
+        out = subprocess.run(["git", "http-backend"], input=body, env=env, capture_output=True,
+                             check=True).stdout
+        head, _, payload = out.partition(b"\r\n\r\n")
+        headers = [line.split(": ", 1) for line in head.decode().split("\r\n") if line]
+        status = next((int(v.split()[0]) for k, v in headers if k == "Status"), 200)
+        self.send_response(status)
+        for key, value in headers:
+            if key != "Status":
+                self.send_header(key, value)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def git_https_server(root: Path, password: str) -> Iterator[tuple[str, Path]]:
+    """The bare repositories under `root` over HTTPS with Basic auth (any user, this password);
+    yields the base URL and the self-signed certificate a client must trust."""
+    cert, key = root / "cert.pem", root / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    handler = type("Handler", (_GitHandler,), {"root": root, "password": password})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}", cert
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -69,8 +69,9 @@ def stack(tmp_path_factory):
         services.stop(folder / "services")
 
 
-def run_deployment(stack: Stack, params: dict, env: dict | None = None) -> str:
-    command = [PREFECT, "deployment", "run", "train-flow/digits", "--params", json.dumps(params)]
+def run_deployment(stack: Stack, params: dict, env: dict | None = None,
+                   deployment: str = "train-flow/digits") -> str:
+    command = [PREFECT, "deployment", "run", deployment, "--params", json.dumps(params)]
     if env:
         command += ["--job-variable", f"env={json.dumps(env)}"]
     done = subprocess.run(command, env=stack.env, capture_output=True, text=True, timeout=120)
@@ -294,6 +295,69 @@ def test_a_worker_runs_the_code_it_clones_from_git_not_a_checkout(stack, tmp_pat
     tags = mlflow_run_of(stack, flow_run_id).data.tags
     assert tags[GIT_COMMIT] == commit and tags[GIT_DIRTY] == "false"
     assert commit != git("rev-parse", "HEAD", cwd=REPO)
+
+
+def test_a_private_repository_is_cloned_with_a_token_that_appears_nowhere(stack, tmp_path):
+    """deploy/git/prefect.yaml with the documented credentials: the token lives in a Prefect
+    Secret block, the repository is served over HTTPS with Basic auth, and after the run the
+    token is in no parameter, job variable, deployment, log, MLflow record or file."""
+    from prefect.blocks.system import Secret
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+
+    from tests.servers import git_https_server
+
+    token = "ghp_PLANTEDgitTOKEN42"
+    served = tmp_path / "served"
+    served.mkdir()
+    git("clone", "--quiet", "--bare", REPO, served / "trainflow.git")
+    with prefect_client(stack):
+        Secret(value=token).save("trainflow-git-token", overwrite=True)
+    recipe = (REPO / "deploy/git/prefect.yaml").read_text()
+    credentials = ('          branch: "{{ $TRAINFLOW_GIT_BRANCH }}"\n'
+                   "          credentials:\n            username: trainflow\n"
+                   '            access_token: "{{ prefect.blocks.secret.trainflow-git-token }}"\n')
+    assert '          branch: "{{ $TRAINFLOW_GIT_BRANCH }}"\n' in recipe
+    private = tmp_path / "prefect.yaml"
+    private.write_text(recipe.replace('          branch: "{{ $TRAINFLOW_GIT_BRANCH }}"\n',
+                                      credentials))
+    with git_https_server(served, token) as (url, cert):
+        env = {**stack.env, "TRAINFLOW_GIT_REPOSITORY": f"{url}/trainflow.git",
+               "TRAINFLOW_GIT_BRANCH": git("rev-parse", "--abbrev-ref", "HEAD", cwd=REPO)}
+        done = subprocess.run([PREFECT, "--no-prompt", "deploy", "--prefect-file", str(private),
+                               "--name", "digits-from-git", "--pool", "e2e-pool"], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        flow_run_id = run_deployment(
+            stack, {"training": SMALL, "registry": {"model_name": "private-git"}},
+            env={"GIT_SSL_CAINFO": str(cert), "GIT_TERMINAL_PROMPT": "0"},
+            deployment="train-flow/digits-from-git")
+        run = wait_final(stack, flow_run_id)
+    assert run.state.is_completed(), run.state.message
+    mlflow_run = mlflow_run_of(stack, flow_run_id)
+    assert mlflow_run.data.tags[GIT_COMMIT] == git("rev-parse", "HEAD", cwd=REPO)
+
+    with prefect_client(stack) as client:
+        deployment = client.read_deployment_by_name("train-flow/digits-from-git")
+        flow_run = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            id=FlowRunFilterId(any_=[flow_run_id])))[0]
+        logs = client.read_logs(log_filter=LogFilter(
+            flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    assert logs
+    prefect_side = [str(deployment.pull_steps), str(deployment.job_variables),
+                    str(flow_run.parameters), str(flow_run.job_variables),
+                    *(log.message for log in logs)]
+    assert "prefect.blocks.secret.trainflow-git-token" in str(deployment.pull_steps)
+    assert not [text for text in prefect_side if token in text]
+    client = stack.mlflow
+    version = client.search_model_versions("name='private-git'")[0]
+    recorded = [str(mlflow_run.data.params), str(mlflow_run.data.tags), str(version.tags)]
+    model = client.get_logged_model(version.source.removeprefix("models:/"))
+    recorded += [str(model.tags), str(model.params)]
+    assert not [text for text in recorded if token in text]
+    artifacts = Path(client.download_artifacts(mlflow_run.info.run_id, "", str(tmp_path / "a")))
+    leaked = [p for root in (artifacts, stack.home, stack.folder) for p in root.rglob("*")
+              if p.is_file() and token.encode() in p.read_bytes()]
+    assert leaked == []
 
 
 def test_a_run_that_sets_one_field_keeps_the_deployments_other_fields(stack):

@@ -30,7 +30,8 @@ def _locked() -> dict[str, str]:
 def _declared() -> set[str]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    return {_name(r) for r in project["dependencies"] + extras["dev"] + extras["kubernetes"]}
+    return {_name(r) for r in project["dependencies"] + extras["dev"] + extras["kubernetes"]
+            + extras["stack"]}
 
 
 def test_every_locked_package_is_installed_at_its_locked_version():
