@@ -90,12 +90,12 @@ def start(folder: Path, prefect_port: int, mlflow_port: int, pool: str = POOL,
     prefect_url, mlflow_url = env["PREFECT_API_URL"], env["MLFLOW_TRACKING_URI"]
     store = Path(env.get("TRAINFLOW_HOME") or home()).expanduser() / "mlflow-server"
     store.mkdir(parents=True, exist_ok=True)
-    start_process("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
-                              "--port", str(prefect_port)], folder, env)
-    start_process("mlflow-server", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port",
-                             str(mlflow_port), "--backend-store-uri",
-                             f"sqlite:///{store / 'mlflow.db'}", "--artifacts-destination",
-                             str(store / "artifacts")], folder, env)
+    start_process("prefect-server", [str(BIN / "prefect"), "server", "start", "--host",
+                                     "127.0.0.1", "--port", str(prefect_port)], folder, env)
+    start_process("mlflow-server", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1",
+                                    "--port", str(mlflow_port), "--backend-store-uri",
+                                    f"sqlite:///{store / 'mlflow.db'}", "--artifacts-destination",
+                                    str(store / "artifacts")], folder, env)
     wait_http(f"{prefect_url}/health")
     wait_http(f"{mlflow_url}/health")
     subprocess.run([str(BIN / "prefect"), "work-pool", "create", pool, "--type", "process",
@@ -103,7 +103,7 @@ def start(folder: Path, prefect_port: int, mlflow_port: int, pool: str = POOL,
     subprocess.run([str(BIN / "prefect"), "work-pool", "set-concurrency-limit", pool,
                     str(POOL_LIMIT)], env=env, check=True, capture_output=True)
     start_process("worker", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type",
-                      "process"], folder, env)
+                             "process"], folder, env)
     print(f"\nPrefect UI  http://127.0.0.1:{prefect_port}\nMLflow UI   {mlflow_url}\n"
           f"Use them from this shell:\n  export PREFECT_API_URL={prefect_url} "
           f"MLFLOW_TRACKING_URI={mlflow_url}")
