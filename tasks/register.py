@@ -27,6 +27,7 @@ from tasks.lineage import CHALLENGER, CHAMPION, FLOW_RUN_ID, champion_version, m
 from tasks.tracking import fluent_mlflow
 from trainflow_serving import DESCRIPTION_ARTIFACT, WEIGHTS_ARTIFACT
 from training.config import RegistrySpec
+from training.data.rows import image_bytes
 from training.data.split import read_manifest
 from training.handoff import TrainResult
 from training.storage import tracking_uri
@@ -133,7 +134,7 @@ def log_model(trained: TrainResult, run_id: str) -> str:
             artifacts={WEIGHTS_ARTIFACT: str(trained.weights),
                        DESCRIPTION_ARTIFACT: str(description_file)},
             signature=signature, metadata=description,
-            input_example=pd.DataFrame({"image": [example_file.read_bytes()]}),
+            input_example=pd.DataFrame({"image": [image_bytes(example_file)]}),
             # Explicit requirements: inferring them starts a subprocess that imports the model.
             # The exact versions that trained it, so a serving host gets the same.
             pip_requirements=[f"mlflow=={mlflow.__version__}",

@@ -57,8 +57,17 @@ class DatasetSpec(Spec):
 
     source: str = Field(
         description='"builtin:digits", "kaggle:competitions/<slug>", '
-        '"kaggle:datasets/<owner>/<slug>" or a local folder path.'
+        '"kaggle:datasets/<owner>/<slug>", "torchvision:<Name>" (e.g. "torchvision:MNIST", '
+        '"torchvision:EMNIST/balanced": its official test split is the test split), '
+        '"hf:<name or local folder>" (a Hugging Face dataset; its test split, if any, is the '
+        "test split) or a local folder path."
     )
+    root: str | None = Field(
+        None, description='torchvision sources: the folder torchvision\'s class reads and '
+        'downloads into (default: <home>/datasets/torchvision); a copy there works offline.')
+    image_column: str = Field("image", description="hf sources: the column of images.")
+    label_column: str = Field(
+        "label", description="hf sources: the column of labels (a ClassLabel names the classes).")
     labels: str = Field(
         "folders",
         description='"folders" (one sub-folder per class), "filename" (cat.12.jpg -> cat) '
@@ -94,14 +103,37 @@ class DatasetSpec(Spec):
                     '"kaggle:competitions/dogs-vs-cats-redux-kernels-edition" or '
                     '"kaggle:datasets/<owner>/<slug>"'
                 )
+        elif source.startswith("torchvision:"):
+            name = source.removeprefix("torchvision:").partition("/")[0]
+            if name not in torchvision_dataset_names():
+                raise ValueError(
+                    f"unknown torchvision dataset {name!r} in {source!r}; use a class of "
+                    'torchvision.datasets, e.g. "torchvision:MNIST" or "torchvision:CIFAR10"')
+        elif source.startswith("hf:"):
+            if not source.removeprefix("hf:").strip():
+                raise ValueError('dataset.source "hf:" names no dataset; e.g. "hf:mnist" or '
+                                 '"hf:/data/my-parquet-folder"')
         elif _SCHEME.match(source) and not Path(source).exists():
             scheme = _SCHEME.match(source).group(1)
             raise ValueError(
                 f"unknown dataset source scheme {scheme!r} in {source!r}; use "
-                '"builtin:digits", "kaggle:competitions/<slug>", "kaggle:datasets/<owner>/<slug>" '
-                "or a local folder path"
+                '"builtin:digits", "kaggle:competitions/<slug>", "kaggle:datasets/<owner>/<slug>", '
+                '"torchvision:<Name>", "hf:<name>" or a local folder path'
             )
         return source
+
+    @model_validator(mode="after")
+    def _fields_of_the_source(self) -> DatasetSpec:
+        if self.root is not None and self.kind != "torchvision":
+            raise ValueError(f"dataset.root is the folder of a torchvision source; {self.source!r} "
+                             "is not one: leave root unset")
+        if self.kind in ("torchvision", "hf") and (self.labels != "folders" or self.subdir):
+            raise ValueError(f"{self.source!r} names its own labels and splits: leave "
+                             "dataset.labels and dataset.subdir unset")
+        if self.kind != "hf" and (self.image_column, self.label_column) != ("image", "label"):
+            raise ValueError("dataset.image_column and label_column name the columns of an "
+                             f'"hf:" source; {self.source!r} is not one: leave them unset')
+        return self
 
     @model_validator(mode="after")
     def _version_pins_a_dataset(self) -> DatasetSpec:
@@ -138,12 +170,16 @@ class DatasetSpec(Spec):
         return subdir or None
 
     @property
-    def kind(self) -> Literal["builtin", "kaggle", "local"]:
-        if self.source.startswith("builtin:"):
-            return "builtin"
-        if self.source.startswith("kaggle:"):
-            return "kaggle"
+    def kind(self) -> Literal["builtin", "kaggle", "torchvision", "hf", "local"]:
+        for scheme in ("builtin", "kaggle", "torchvision", "hf"):
+            if self.source.startswith(f"{scheme}:"):
+                return scheme
         return "local"
+
+    @property
+    def name(self) -> str:
+        """What follows the scheme: "MNIST" of "torchvision:MNIST"."""
+        return self.source.partition(":")[2] if self.kind != "local" else self.source
 
     @property
     def kaggle_ref(self) -> tuple[str, str]:
@@ -173,6 +209,21 @@ class SplitSpec(Spec):
                 "they must sum below 1, e.g. val_fraction=0.1, test_fraction=0.1"
             )
         return self
+
+
+@cache
+def torchvision_dataset_names() -> frozenset[str]:
+    """torchvision.datasets.__all__, read from torchvision's source (no import of torch)."""
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("torchvision is not installed; run `make install`")
+    tree = ast.parse((Path(spec.submodule_search_locations[0]) / "datasets" / "__init__.py")
+                     .read_text(encoding="utf-8"))
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                 for t in node.targets)):
+            return frozenset(ast.literal_eval(node.value))
+    return frozenset()
 
 
 @cache

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
+from training.data.rows import image_bytes
 from training.engine.events import Heartbeat, ScoringFinished
 from training.engine.progress import ProgressWriter, Rank, start_rank
 from training.processes import die_with_parent
@@ -57,7 +58,7 @@ def score(model_dir: Path, paths: list[str], accelerator: Accelerator, rank: Ran
 
 def _read(path: str) -> bytes:
     try:
-        return Path(path).read_bytes()
+        return image_bytes(path)
     except OSError:
         return b""  # the model reports the row as unreadable; the others are still scored
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from trainflow_serving.images import ImageRejected, open_image
+from trainflow_serving.images import ImageRejected
+from training.data.rows import open_any
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ def decode_image(path: Path, side: int) -> tuple[np.ndarray, bool]:
     A grayscale image is decoded as such and its channel repeated, which is exactly what
     converting it to RGB first would give; channel 0 is its 1-channel decode.
     """
-    img = open_image(path, None, draft=(side, side)).resize((side, side), Image.BILINEAR)
+    img = open_any(path, None, draft=(side, side)).resize((side, side), Image.BILINEAR)
     pixels = np.asarray(img, dtype=np.uint8)
     if img.mode == "L":
         return np.repeat(pixels[None], 3, axis=0), True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import tempfile
 from collections import Counter
@@ -13,6 +14,7 @@ from pydantic import BaseModel
 from training.config import DatasetSpec
 from training.data.kaggle import COMPLETE_MARKER, KaggleCredentials, download
 from training.data.labels import DatasetError, list_labelled_files
+from training.data.tables import prepare_tables, table_digest, table_pairs, tables_root
 from training.storage import sha256_file
 
 
@@ -32,7 +34,13 @@ class DatasetRef(BaseModel):
     removed, relabelled or changed."""
 
 
+TABLE_LABELS = "table"
+"""DatasetRef.labels of a source read into tables (training/data/tables.py)."""
+
+
 def labelled_files(ref: DatasetRef) -> list[tuple[str, str]]:
+    if ref.labels == TABLE_LABELS:
+        return table_pairs(ref.root)[0]
     return list_labelled_files(ref.root, ref.labels, ref.source_root)
 
 
@@ -43,6 +51,8 @@ def source_root(spec: DatasetSpec, home: Path) -> Path:
     if spec.kind == "kaggle":
         kind, ref = spec.kaggle_ref
         return home / "datasets" / "kaggle" / kind / ref.replace("/", "__")
+    if spec.kind in ("torchvision", "hf"):
+        return tables_root(spec, home)
     return Path(spec.source).expanduser().resolve()
 
 
@@ -67,12 +77,16 @@ def fetch(spec: DatasetSpec, home: Path, credentials: KaggleCredentials | None =
         kind, ref = spec.kaggle_ref
         root = download(kind, ref, root, credentials, retries=spec.download_retries,
                         version=spec.version, warn=warn)
+    elif spec.kind in ("torchvision", "hf"):
+        root = prepare_tables(spec, home)
     return root
 
 
 def prepare(spec: DatasetSpec, home: Path, credentials: KaggleCredentials | None = None,
             warn=None) -> DatasetRef:
     root = fetch(spec, home, credentials, warn)
+    if spec.kind in ("torchvision", "hf"):
+        return _table_ref(spec, root)
     images_root = root / spec.subdir if spec.subdir else root
     pairs = list_labelled_files(images_root, spec.labels, root)
     counts = Counter(label for _, label in pairs)
@@ -86,6 +100,16 @@ def prepare(spec: DatasetSpec, home: Path, credentials: KaggleCredentials | None
         image_count=len(pairs),
         fingerprint=fingerprint(images_root, pairs),
     )
+
+
+def _table_ref(spec: DatasetSpec, root: Path) -> DatasetRef:
+    pairs, names = table_pairs(root)
+    counts = Counter(label for _, label in pairs)
+    identity = json.dumps([table_digest(root), names, sorted(counts.items())])
+    return DatasetRef(source=spec.source, labels=TABLE_LABELS, root=root, source_root=root,
+                      class_names=names, class_counts={n: counts[n] for n in names},
+                      image_count=len(pairs),
+                      fingerprint=hashlib.sha256(identity.encode()).hexdigest())
 
 
 def fingerprint(root: Path, pairs: list[tuple[str, str]]) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 from training.config import SplitSpec
 from training.data.images import ImageCheck, check_image
 from training.data.labels import DatasetError, given_splits
-from training.data.sources import DatasetRef, labelled_files
+from training.data.sources import TABLE_LABELS, DatasetRef, labelled_files
 from training.data.store import DecodeStore, compact, decode_into_stores, prune_stores
 from training.handoff import SplitResult
 from training.storage import write_json_atomic, write_text_atomic
@@ -70,7 +70,8 @@ def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path,
             prune_stores(folder)
         return result
     pairs = labelled_files(ref)
-    given = given_splits(ref.root) if spec.respect_given and ref.labels == "folders" else None
+    given = (given_splits(ref.root) if spec.respect_given and ref.labels in ("folders", TABLE_LABELS)
+             else None)
     ledger_path = folder / "ledger.json"
     ledger: dict[str, str] = json.loads(ledger_path.read_text()) if ledger_path.exists() else {}
     if sides:

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from training.data.decode_pass import Outcome, WorkItem, decode_all
+from training.data.rows import container_of
 from training.storage import write_json_atomic
 
 CHANNELS = 3
@@ -171,7 +172,7 @@ def _extend(store: DecodeStore, index: dict, rows: int) -> Path:
 
 
 def _identity(path: Path) -> tuple[int, int]:
-    stat = path.stat()
+    stat = container_of(path).stat()  # a row is as current as its container
     return stat.st_size, stat.st_mtime_ns
 
 

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from trainflow_serving.images import open_image  # noqa: E402
+from training.data.rows import open_any  # noqa: E402
 from training.engine.events import EpochMetrics  # noqa: E402
 
 
@@ -61,7 +61,7 @@ def worst_predictions_png(root: Path, paths: list[str], labels: torch.Tensor,
     # One mosaic on one axes: a grid of sixteen titled axes costs most of the drawing time.
     mosaic = Image.new("RGB", (cols * side, rows * (side + caption)), "white")
     for n, i in enumerate(wrong):
-        image = open_image(root / paths[i], channels=3)
+        image = open_any(root / paths[i], channels=3)
         # Small images (digits are 8x8) are enlarged as blocks, not blurred.
         thumb = image.resize((side - 8, side - 8), Image.NEAREST if image.width < side else None)
         mosaic.paste(thumb, ((n % cols) * side + 4, (n // cols) * (side + caption) + caption))

@@ -1,0 +1,185 @@
+"""Data in the forms users hold it: torchvision's catalogue (MNIST's IDX files, CIFAR's pickled
+batches) and Hugging Face datasets (parquet with image bytes), from real-format files. Their
+own test split is the test split; the rows are decoded straight into the store."""
+
+from __future__ import annotations
+
+import pickle
+from collections import Counter
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.formats import CIFAR_NAMES, write_cifar10, write_hf_parquet, write_idx, write_mnist
+from training.config import DatasetSpec, SplitSpec
+from training.data.labels import DatasetError
+from training.data.rows import image_bytes
+from training.data.sources import prepare
+from training.data.split import read_manifest, split_dataset
+from training.data.store import DecodeStore
+
+MNIST_CLASSES = ["0 - zero", "1 - one", "2 - two", "3 - three", "4 - four", "5 - five",
+                 "6 - six", "7 - seven", "8 - eight", "9 - nine"]
+
+
+def _split(spec: DatasetSpec, home, side: int):
+    ref = prepare(spec, home)
+    return ref, split_dataset(ref, SplitSpec(), home, {"train": side, "val": side, "test": side})
+
+
+def _stored(result, home, side: int, paths: list[str]) -> np.ndarray:
+    folder = result.manifest.parent.parent
+    store = DecodeStore(folder, side)
+    with store.locked(exclusive=False) as index:
+        found = store.lookup(index, paths)
+    return np.asarray(found.images[found.rows])
+
+
+def test_mnist_idx_files_keep_their_official_test_split_and_their_pixels(tmp_path, home):
+    written = write_mnist(tmp_path / "tv", train=300, test=100)
+    ref, result = _split(DatasetSpec(source="torchvision:MNIST", root=str(tmp_path / "tv")),
+                         home, 28)
+    assert ref.class_names == MNIST_CLASSES  # torchvision's own names, in its order
+    rows = read_manifest(result.manifest)
+    by_split = {s: [p for p, _, sp in rows if sp == s] for s in ("train", "val", "test")}
+    assert len(by_split["test"]) == 100 and all(p.startswith("test/") for p in by_split["test"])
+    assert not any(p.startswith("test/") for p in by_split["train"] + by_split["val"])
+    assert len(by_split["train"]) + len(by_split["val"]) == 300
+    assert result.counts["val"] == {name: 3 for name in MNIST_CLASSES}  # 0.1 of train, by class
+    assert result.channels == 1 and result.given_splits == {"test": "test", "train": "train"}
+    # Each row is the IDX file's pixels, decoded once into the store, never into files.
+    images, labels = written["test"]
+    stored = _stored(result, home, 28, by_split["test"])
+    for path, pixels in zip(by_split["test"], stored, strict=True):
+        row = int(path.rpartition("#")[2])
+        assert np.array_equal(pixels[0], images[row])
+        assert dict((p, lbl) for p, lbl, _ in rows)[path] == MNIST_CLASSES[labels[row]]
+    assert not list(home.rglob("*.png"))
+    # What the served model is given for a row: a PNG of exactly those pixels.
+    served = Image.open(__import__("io").BytesIO(image_bytes(result.root / by_split["test"][0])))
+    assert np.array_equal(np.asarray(served), images[int(by_split["test"][0][-7:])])
+    # The same files again: the same split, and the tables are not read again.
+    table = result.root / "table.json"
+    stamp = table.stat().st_mtime_ns
+    assert _split(DatasetSpec(source="torchvision:MNIST", root=str(tmp_path / "tv")),
+                  home, 28)[1].manifest_sha256 == result.manifest_sha256
+    assert table.stat().st_mtime_ns == stamp
+
+
+def test_cifar_batches_give_their_class_names_and_test_batch(tmp_path, home):
+    written = write_cifar10(tmp_path / "tv", per_batch=20, test=30)
+    ref, result = _split(DatasetSpec(source="torchvision:CIFAR10", root=str(tmp_path / "tv")),
+                         home, 32)
+    assert ref.class_names == CIFAR_NAMES
+    assert ref.class_counts == {name: 13 for name in CIFAR_NAMES}
+    rows = read_manifest(result.manifest)
+    tests = [p for p, _, s in rows if s == "test"]
+    assert len(tests) == 30 and {p.split("/")[0] for p in tests} == {"test"}
+    assert result.channels == 3
+    images, labels = written["test"]
+    stored = _stored(result, home, 32, tests)
+    for path, pixels in zip(tests, stored, strict=True):
+        assert np.array_equal(pixels.transpose(1, 2, 0), images[int(path[-7:])])
+
+
+def test_a_cifar_batch_that_would_run_code_is_refused_unopened(tmp_path, home):
+    write_cifar10(tmp_path / "tv", per_batch=10, test=10)
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("this ran",))
+
+    with open(tmp_path / "tv" / "cifar-10-batches-py" / "data_batch_3", "wb") as f:
+        pickle.dump({b"data": Payload(), b"labels": [0]}, f)
+    with pytest.raises(DatasetError, match="builtins.print is not allowed") as error:
+        prepare(DatasetSpec(source="torchvision:CIFAR10", root=str(tmp_path / "tv")), home)
+    assert "data_batch_3" in str(error.value)
+
+
+def test_a_hugging_face_parquet_dataset_keeps_its_splits_and_class_labels(tmp_path, home):
+    names = ["circle", "square", "star"]
+    written = write_hf_parquet(tmp_path / "hub", {"train": 45, "validation": 12, "test": 15},
+                               names, image_column="picture", label_column="kind")
+    spec = DatasetSpec(source=f"hf:{tmp_path / 'hub'}", image_column="picture",
+                       label_column="kind")
+    ref, result = _split(spec, home, 20)
+    assert ref.class_names == names
+    counts = {s: sum(c.values()) for s, c in result.counts.items()}
+    assert counts == {"train": 45, "val": 12, "test": 15}
+    rows = read_manifest(result.manifest)
+    assert {p.split("/")[0]: s for p, _, s in rows} == {"train": "train", "val": "val",
+                                                        "test": "test"}
+    # The parquet's bytes are the row's bytes: what the served model reads is the source's.
+    path, label, _ = next(r for r in rows if r[2] == "test")
+    data, index = written["test"][int(path[-7:])]
+    assert image_bytes(result.root / path) == data and label == names[index]
+    assert Counter(lbl for _, lbl, s in rows if s == "test") == {n: 5 for n in names}
+
+
+def test_malformed_sources_are_named_before_any_training(tmp_path, home):
+    write_mnist(tmp_path / "bad", train=20, test=10)
+    raw = tmp_path / "bad" / "MNIST" / "raw"
+    images = raw / "t10k-images-idx3-ubyte"
+    images.write_bytes(b"\x00\x00\x08\x04" + images.read_bytes()[4:])
+    with pytest.raises(DatasetError, match="magic number is 0x00000804, expected 0x00000803"):
+        prepare(DatasetSpec(source="torchvision:MNIST", root=str(tmp_path / "bad")), home)
+
+    write_mnist(tmp_path / "range", train=20, test=10)
+    labels = np.arange(10) % 10
+    labels[4] = 12
+    write_idx(tmp_path / "range" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte", labels, 0x0801)
+    with pytest.raises(DatasetError, match="1 labels outside the 10 classes, first 12 at row 4"):
+        prepare(DatasetSpec(source="torchvision:MNIST", root=str(tmp_path / "range")), home)
+
+    write_hf_parquet(tmp_path / "hub", {"train": 6, "test": 3}, ["a", "b", "c"])
+    with pytest.raises(DatasetError, match="has no column 'digit' .*set dataset.image_column"):
+        prepare(DatasetSpec(source=f"hf:{tmp_path / 'hub'}", label_column="digit"), home)
+
+    with pytest.raises(DatasetError) as missing:
+        prepare(DatasetSpec(source="torchvision:FashionMNIST", root=str(tmp_path / "empty")),
+                home)
+    assert f"{tmp_path / 'empty'} lacks FashionMNIST/raw/train-images-idx3-ubyte" in \
+        str(missing.value)
+    assert "dataset.root" in str(missing.value)
+
+
+@pytest.mark.parametrize(("fields", "needle"), [
+    ({"source": "torchvision:Mnist"}, "unknown torchvision dataset 'Mnist'"),
+    ({"source": "torchvision:MNIST", "labels": "filename"}, "leave dataset.labels"),
+    ({"source": "builtin:digits", "root": "/data"}, "dataset.root is the folder of a torchvision"),
+    ({"source": "builtin:digits", "label_column": "y"}, "columns of an \"hf:\" source"),
+])
+def test_source_fields_are_checked_when_the_parameters_are_read(fields, needle):
+    with pytest.raises(ValueError, match=needle):
+        DatasetSpec(**fields)
+
+
+@pytest.mark.slow
+def test_the_flow_trains_on_torchvision_mnist_and_tests_on_its_official_test_set(
+        prefect_engine, session_home, tmp_path):
+    from mlflow import MlflowClient
+
+    from flows.train_flow import train_flow
+    from training.storage import tracking_uri
+
+    write_mnist(tmp_path / "tv", train=400, test=120)
+    params = {"dataset": {"source": "torchvision:MNIST", "root": str(tmp_path / "tv")},
+              "training": {"epochs": 2, "image_size": 16, "batch_size": 32},
+              "registry": {"model_name": "tv-mnist"}}
+    result = train_flow(**params)
+    run = MlflowClient(tracking_uri()).get_run(result.mlflow_run_id)
+    assert run.data.params["world_size"] == "2"
+    assert result.trained.job.split.counts["test"] == {name: 12 for name in MNIST_CLASSES}
+    assert run.data.metrics["test_accuracy"] > 0.5  # chance: 0.1
+    contexts = {i.tags[0].value: i.dataset for i in run.inputs.dataset_inputs}
+    assert contexts["test"].name == "torchvision:MNIST test"
+    assert "as given: test/ as test, train/ as train; val carved from train" in \
+        run.data.tags["mlflow.note.content"]
+    assert result.registration.promoted
+    # The champion is judged again on the same 120 official test images by the gate: served
+    # from the rows' bytes, it agrees with the training's own evaluation.
+    again = train_flow(**params, force=True)
+    gate = again.registration
+    assert gate.compared_images == 120 and gate.metric == "accuracy"
+    assert gate.champion_value == pytest.approx(run.data.metrics["test_accuracy"], abs=1e-9)
