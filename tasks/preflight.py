@@ -167,20 +167,24 @@ def check_training(training: TrainingSpec, gpus: list[Gpu] | None = None) -> Non
     if training.num_machines > 1:
         check_machines(training)
     if ":" in training.model:
-        from trainflow_serving.networks import UserModelError, user_network
+        from trainflow_serving.networks import UserModelError, build_network
 
         try:
-            user_network(training.model, num_classes=2)
+            build_network(training.model, num_classes=2, channels=3, image_size=32)
         except UserModelError as e:
             raise PreflightError(str(e)) from None
     if training.weights and not Path(training.weights).is_file():
         raise PreflightError(f"training.weights {training.weights} does not exist on this "
                              "machine; give the path of a safetensors or state-dict file")
     if training.pretrained:
-        from training.models.build import pretrained_weights_file
+        from training.models.build import TIMM, pretrained_weights_file, timm_pretrained
 
-        path = pretrained_weights_file(training.model)
-        if not path.is_file():
+        if training.model.startswith(TIMM):
+            try:
+                timm_pretrained(training.model, num_classes=2)
+            except FileNotFoundError as e:
+                raise PreflightError(str(e)) from None
+        elif not (path := pretrained_weights_file(training.model)).is_file():
             raise PreflightError(f"pretrained weights for {training.model} are not in the torch "
                                  f"cache: expected {path}; copy them there or set "
                                  "training.pretrained=false")

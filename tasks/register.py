@@ -26,6 +26,7 @@ from tasks.gate import SameImages, champion_class_names, one_decision_at_a_time,
 from tasks.lineage import CHALLENGER, CHAMPION, FLOW_RUN_ID, champion_version, metric_tag
 from tasks.tracking import fluent_mlflow
 from trainflow_serving import DESCRIPTION_ARTIFACT, WEIGHTS_ARTIFACT
+from trainflow_serving.networks import TIMM, is_user_model
 from training.config import RegistrySpec
 from training.data.rows import image_bytes
 from training.data.split import read_manifest
@@ -33,6 +34,11 @@ from training.handoff import TrainResult
 from training.storage import tracking_uri
 
 SERVING_PACKAGES = ("safetensors", "pillow", "numpy", "pandas")
+
+
+def serving_packages(model_name: str) -> tuple[str, ...]:
+    """What the served model imports besides torch: timm's models need timm."""
+    return SERVING_PACKAGES + (("timm",) if model_name.startswith(TIMM) else ())
 SERVING_DIR = Path(trainflow_serving.__file__).parent
 SERVED_MODEL = SERVING_DIR / "pyfunc_model.py"
 METRIC = "trainflow.metric"
@@ -90,7 +96,7 @@ def code_paths(model_name: str) -> list[str]:
     """What the served model imports: the serving package, and a user's `<module>:<callable>`
     network's top-level package (or module file), so it loads where that code is absent."""
     paths = [str(SERVING_DIR)]
-    if ":" in model_name:
+    if is_user_model(model_name):
         top = model_name.partition(":")[0].split(".")[0]
         spec = importlib.util.find_spec(top)
         if spec is None or spec.origin is None and not spec.submodule_search_locations:
@@ -141,7 +147,7 @@ def log_model(trained: TrainResult, run_id: str) -> str:
                               f"torch=={torch.__version__.split('+')[0]}",
                               f"torchvision=={torchvision.__version__.split('+')[0]}",
                               *(f"{name}=={importlib.metadata.version(name)}"
-                                for name in SERVING_PACKAGES)],
+                                for name in serving_packages(trained.job.training.model))],
         )
     return model_info.model_uri
 

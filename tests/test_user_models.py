@@ -151,3 +151,73 @@ def test_a_user_model_trains_registers_and_serves_without_its_code_installed(
         here = mlflow.pyfunc.load_model("models:/team@champion").predict(pd.DataFrame(
             {"image": [(split.root / p).read_bytes() for p in tests]}))
     assert served["leaked"] == [] and served["labels"] == list(here["label"])
+
+
+def _hub_cache(tmp_path, monkeypatch, files: dict[str, dict[str, torch.Tensor]]):
+    """A Hugging Face cache as the hub library writes it: refs/main names a snapshot."""
+    import huggingface_hub.constants
+
+    for repo, state in files.items():
+        folder = tmp_path / "hub" / f"models--{repo.replace('/', '--')}"
+        (folder / "refs").mkdir(parents=True)
+        (folder / "refs" / "main").write_text("0" * 40)
+        (folder / "snapshots" / ("0" * 40)).mkdir(parents=True)
+        save_file(state, folder / "snapshots" / ("0" * 40) / "model.safetensors")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+
+
+def test_timm_models_build_by_name_and_take_published_weights_from_the_hub_cache(
+        tmp_path, monkeypatch):
+    import timm
+
+    from training.models.build import build_model
+
+    _hub_cache(tmp_path, monkeypatch, {})
+    spec = TrainingSpec(model="timm:resnet10t", pretrained=True, num_processes=1)
+    with pytest.raises(PreflightError, match="not in the Hugging Face cache"
+                                             r" \(timm/resnet10t.c3_in1k\).*training.weights"):
+        check_training(spec, gpus=[])
+    with pytest.raises(PreflightError, match="timm has no model 'resnet10x'"):
+        check_training(TrainingSpec(model="timm:resnet10x", num_processes=1), gpus=[])
+    published = timm.create_model("resnet10t").state_dict()  # 1,000 ImageNet classes
+    monkeypatch.undo()
+    _hub_cache(tmp_path / "second", monkeypatch, {"timm/resnet10t.c3_in1k": published})
+    check_training(spec, gpus=[])
+    model = build_model("timm:resnet10t", num_classes=3, channels=3, image_size=32,
+                        pretrained=True)
+    mine = model.state_dict()
+    assert torch.equal(mine["conv1.0.weight"], published["conv1.0.weight"])
+    assert mine["fc.weight"].shape == (3, 512)  # a new head for this task's classes
+
+
+@pytest.mark.slow
+def test_a_timm_model_trains_and_its_champion_requires_the_timm_that_trained_it(
+        digits_split, tmp_path):
+    import importlib.metadata
+
+    _, split = digits_split
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = TrainJob(split=split, output_dir=tmp_path / "train",
+                   training={"model": "timm:resnet10t", "image_size": 16, "epochs": 2,
+                             "num_processes": 2, "lr": 3e-3})
+    trained = run_training(job, logging.getLogger("t"))
+    assert trained.world_size == 2 and trained.best_metrics.val_accuracy > 0.2  # chance 0.1
+    client = MlflowClient(uri)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        experiment = client.create_experiment("timm", artifact_location=(tmp_path / "a").as_uri())
+        run_id = client.create_run(experiment).info.run_id
+        evaluation = evaluate_model.fn(trained, run_id)
+        register_model.fn(trained, evaluation, RegistrySpec(model_name="timmnet"), run_id,
+                          {FLOW_RUN_ID: "timm"})
+        local = mlflow.artifacts.download_artifacts("models:/timmnet@champion",
+                                                    dst_path=str(tmp_path / "m"))
+        served = mlflow.pyfunc.load_model(local).predict(pd.DataFrame(
+            {"image": [(split.root / p).read_bytes() for p, _, s in
+                       read_manifest(split.manifest) if s == "test"][:8]}))
+    assert f"timm=={importlib.metadata.version('timm')}" in \
+        (tmp_path / "m" / "requirements.txt").read_text().split()
+    assert {a.path for a in client.list_artifacts(run_id, "model/code")} == {
+        "model/code/trainflow_serving"}  # timm is a requirement, not shipped code
+    assert served["error"].isna().all() and served["label"].notna().all()

@@ -35,9 +35,27 @@ class BasicNet(nn.Module):
         return self.fc2(x)
 
 
+TIMM = "timm:"
+
+
 def is_user_model(model_name: str) -> bool:
     """`<module>:<callable>`: a network of the user's own."""
-    return ":" in model_name
+    return ":" in model_name and not model_name.startswith(TIMM)
+
+
+def timm_network(model_name: str, num_classes: int, pretrained: bool = False) -> nn.Module:
+    """A model of timm's catalogue, `timm:<name>`."""
+    try:
+        import timm
+    except ImportError:
+        raise UserModelError(f'training.model {model_name!r} needs timm: pip install '
+                             '"trainflow[timm]"') from None
+    name = model_name.removeprefix(TIMM)
+    if not timm.is_model(name):
+        close = timm.list_models(f"*{name[:4]}*")[:5]
+        raise UserModelError(f"training.model {model_name!r}: timm has no model {name!r}"
+                             f"{'; close: ' + ', '.join(close) if close else ''}")
+    return timm.create_model(name, pretrained=pretrained, num_classes=num_classes)
 
 
 def user_network(model_name: str, num_classes: int) -> nn.Module:
@@ -67,6 +85,8 @@ def build_network(model_name: str, num_classes: int, channels: int, image_size: 
     """`model_name`'s architecture with random weights and a `num_classes` head."""
     if model_name == "basicnet":
         return BasicNet(num_classes, channels, image_size)
+    if model_name.startswith(TIMM):
+        return timm_network(model_name, num_classes)
     if is_user_model(model_name):
         return user_network(model_name, num_classes)
     import torchvision

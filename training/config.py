@@ -28,6 +28,7 @@ from pydantic import (
 
 _KAGGLE_COMPETITION = re.compile(r"^kaggle:competitions/([a-z0-9][a-z0-9-]*)$")
 _KAGGLE_DATASET = re.compile(r"^kaggle:datasets/([A-Za-z0-9_-]+)/([A-Za-z0-9][A-Za-z0-9_.-]*)$")
+_TIMM_MODEL = re.compile(r"^timm:[A-Za-z0-9_.\-]+$")
 _USER_MODEL = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
 BUILTIN_DATASETS = ("digits",)
@@ -263,12 +264,14 @@ class TrainingSpec(Spec):
     model: Annotated[str, Role.RECIPE] = Field(
         "basicnet",
         description='"basicnet", "resnet18", "vgg16" or any torchvision classification model, '
+        '"timm:<name>" from timm\'s catalogue (pip install "trainflow[timm]"), '
         'or your own network as "<module>:<callable>" (e.g. "mypkg.nets:build"): importable '
         "where the ranks run, called with num_classes=, returning a torch.nn.Module; its "
         "module travels with the registered model.",
     )
     pretrained: Annotated[bool, Role.RECIPE] = Field(
-        False, description="Load torchvision weights from the torch cache.")
+        False, description="Start from the model's published weights: torchvision's from the "
+        "torch cache, timm's from the Hugging Face cache (a local file: training.weights).")
     weights: Annotated[str | None, Role.RECIPE] = Field(
         None, description="A weights file to start from, for any model: safetensors, or a "
         "state dict saved with torch.save (read without unpickling code). The head is new "
@@ -381,12 +384,13 @@ class TrainingSpec(Spec):
     @field_validator("model")
     @classmethod
     def _known_model(cls, model: str) -> str:
-        if model == "basicnet" or model in torchvision_model_names() or _USER_MODEL.match(model):
+        if (model == "basicnet" or model in torchvision_model_names() or _USER_MODEL.match(model)
+                or _TIMM_MODEL.match(model)):
             return model
         raise ValueError(
             f"unknown model {model!r}; use \"basicnet\", \"resnet18\", \"vgg16\" or another "
-            "name from torchvision.models.list_models(), or your own network as "
-            '"<module>:<callable>", e.g. "mypkg.nets:build"'
+            "name from torchvision.models.list_models(), \"timm:<name>\" from timm's catalogue, "
+            'or your own network as "<module>:<callable>", e.g. "mypkg.nets:build"'
         )
 
     @field_validator("num_processes")
@@ -429,7 +433,7 @@ class TrainingSpec(Spec):
         if self.pretrained and self.weights:
             raise ValueError("give training.pretrained=true (torchvision's weights) or "
                              "training.weights (a file), not both")
-        if self.pretrained and ":" in self.model:
+        if self.pretrained and ":" in self.model and not self.model.startswith("timm:"):
             raise ValueError(f"training.pretrained loads torchvision's weights, which "
                              f"{self.model} has none of: give training.weights, or load the "
                              "weights in your callable")

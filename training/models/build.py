@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, load_model
 from torch import nn
 
-from trainflow_serving.networks import build_network
+from trainflow_serving.networks import TIMM, build_network
 from training.handoff import Preprocessing, TrainJob
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -43,6 +43,8 @@ def build_model(model_name: str, num_classes: int, channels: int, image_size: in
         return build_network(model_name, num_classes, channels, image_size)
     if model_name == "basicnet":
         raise ValueError("basicnet has no pretrained weights; set training.pretrained=false")
+    if model_name.startswith(TIMM):
+        return timm_pretrained(model_name, num_classes)
     import torchvision
 
     expected = pretrained_weights_file(model_name)
@@ -57,6 +59,29 @@ def build_model(model_name: str, num_classes: int, channels: int, image_size: in
     model = torchvision.models.get_model(model_name, weights=weights)
     _replace_head(model, num_classes)
     return model
+
+
+def timm_pretrained(model_name: str, num_classes: int) -> nn.Module:
+    """timm's published weights, from the Hugging Face cache only: no download mid-launch."""
+    import timm
+    from huggingface_hub import try_to_load_from_cache
+
+    from trainflow_serving.networks import timm_network
+
+    timm_network(model_name, num_classes)  # the name, checked with timm's own message
+    name = model_name.removeprefix(TIMM)
+    config = timm.models.get_pretrained_cfg(name)
+    repo = getattr(config, "hf_hub_id", None)
+    cached = [path for file in ("model.safetensors", "pytorch_model.bin") if repo
+              and isinstance(path := try_to_load_from_cache(repo, file), str)]
+    if not cached:
+        raise FileNotFoundError(
+            f"pretrained weights for {model_name} are not in the Hugging Face cache "
+            f"({repo or 'timm names no Hub repository for it'}); fetch them once where the "
+            f"network allows (python -c \"import timm; timm.create_model('{name}', "
+            'pretrained=True)"), or give a file as training.weights')
+    return timm.create_model(name, pretrained=True, num_classes=num_classes,
+                             pretrained_cfg_overlay={"file": cached[0]})
 
 
 def _head_name(model: nn.Module) -> str:
