@@ -13,6 +13,7 @@ from PIL import Image
 
 from tests.formats import CIFAR_NAMES, write_cifar10, write_hf_parquet, write_idx, write_mnist
 from training.config import DatasetSpec, SplitSpec
+from training.data.images import decode_image
 from training.data.labels import DatasetError
 from training.data.rows import image_bytes
 from training.data.sources import prepare
@@ -56,6 +57,15 @@ def test_mnist_idx_files_keep_their_official_test_split_and_their_pixels(tmp_pat
         assert np.array_equal(pixels[0], images[row])
         assert dict((p, lbl) for p, lbl, _ in rows)[path] == MNIST_CLASSES[labels[row]]
     assert not list(home.rglob("*.png"))
+    # Rows at the array's own size are copied, not decoded one by one: the same pixels as
+    # the per-image decode (and PIL's resize at any other size) gives.
+    for path, pixels in list(zip(by_split["test"], stored, strict=True))[:5]:
+        assert np.array_equal(decode_image(result.root / path, 28)[0], pixels)
+    small = _stored(_split(DatasetSpec(source="torchvision:MNIST", root=str(tmp_path / "tv")),
+                           home, 14)[1], home, 14, by_split["test"][:3])
+    for path, pixels in zip(by_split["test"][:3], small, strict=True):
+        expected = Image.fromarray(images[int(path[-7:])]).resize((14, 14), Image.BILINEAR)
+        assert np.array_equal(pixels[0], np.asarray(expected))
     # What the served model is given for a row: a PNG of exactly those pixels.
     served = Image.open(__import__("io").BytesIO(image_bytes(result.root / by_split["test"][0])))
     assert np.array_equal(np.asarray(served), images[int(by_split["test"][0][-7:])])

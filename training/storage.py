@@ -60,8 +60,12 @@ def write_text_atomic(final: Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
-def write_json_atomic(final: Path, data: Any) -> None:
-    write_text_atomic(final, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+def write_json_atomic(final: Path, data: Any, compact: bool = False) -> None:
+    """Indented for people; `compact` for a machine's files of many entries (a decode store's
+    index, a split's ledger: 70,000 rows for MNIST), which indenting makes several times slower."""
+    text = (json.dumps(data, separators=(",", ":"), sort_keys=True, default=str) if compact
+            else json.dumps(data, indent=2, sort_keys=True, default=str))
+    write_text_atomic(final, text + "\n")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

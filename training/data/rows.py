@@ -38,11 +38,6 @@ def is_row(path: Path | str) -> bool:
     return MARK in Path(path).name
 
 
-def container_of(path: Path) -> Path:
-    """The file that holds a row (the path itself for an image file)."""
-    return path.with_name(path.name.partition(MARK)[0])
-
-
 def _row(path: Path) -> tuple[Path, int]:
     name, _, row = path.name.partition(MARK)
     return path.with_name(name), int(row)

@@ -105,7 +105,7 @@ def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path,
     manifest_text = _manifest_csv(rows)
     counts = {s: dict(sorted(Counter(lbl for _, lbl, sp in rows if sp == s).items())) for s in SPLITS}
     # Ledger first: if we die after it, a re-run reproduces the same manifest from it.
-    write_json_atomic(ledger_path, {**ledger, **assignment})
+    write_json_atomic(ledger_path, {**ledger, **assignment}, compact=True)
     write_json_atomic(out / "quarantine.json", [c.__dict__ for c in bad])
     write_json_atomic(out / "counts.json", counts)
     channels = 1 if all(c.grayscale for c in checks if c.ok) else 3

@@ -210,8 +210,9 @@ def _download(construct, root: Path, needed: list[Path], spec: DatasetSpec) -> N
         raise DatasetError(f"{spec.source}: {missing[0]} is missing after the download")
 
 
-def read_idx(path: Path, kind: str) -> np.ndarray:
-    """An IDX file (MNIST's format) of unsigned bytes, checked before torchvision reads it."""
+def check_idx(path: Path, kind: str) -> int:
+    """An IDX file (MNIST's format) of unsigned bytes, checked before torchvision reads it;
+    returns how many items it holds."""
     with open(path, "rb") as f:
         header = f.read(4)
         magic = int.from_bytes(header, "big") if len(header) == 4 else -1
@@ -222,18 +223,18 @@ def read_idx(path: Path, kind: str) -> np.ndarray:
                 f"0x{IDX_MAGIC[kind]:08x}; replace it with the dataset's original file")
         dims = magic & 0xFF
         shape = tuple(int.from_bytes(f.read(4), "big") for _ in range(dims))
-        data = np.frombuffer(f.read(), dtype=np.uint8)
-    if data.size != int(np.prod(shape)):
+    size = path.stat().st_size - 4 * (1 + dims)
+    if size != int(np.prod(shape)):
         raise DatasetError(f"{path} is truncated: its header says {shape}, it holds "
-                           f"{data.size} bytes of the {int(np.prod(shape))} that needs; "
+                           f"{size} bytes of the {int(np.prod(shape))} that needs; "
                            "replace it with the dataset's original file")
-    return data.reshape(shape)
+    return shape[0]
 
 
 def _read_mnist(cls, root: Path, files: list[Path], variant: str):
     for images in (f for f in files if "images-idx3" in f.name):
         labels = images.with_name(images.name.replace("images-idx3", "labels-idx1"))
-        count, labelled = len(read_idx(images, "images")), len(read_idx(labels, "labels"))
+        count, labelled = check_idx(images, "images"), check_idx(labels, "labels")
         if count != labelled:
             raise DatasetError(f"{images} holds {count} images and {labels} {labelled} "
                                "labels; they must match")
@@ -404,4 +405,4 @@ def _encoded(value: dict) -> bytes:
     return b""  # an empty image: the split stage quarantines it, as a broken file
 
 
-__all__ = ["prepare_tables", "table_pairs", "table_digest", "read_idx", "write_tables"]
+__all__ = ["prepare_tables", "table_pairs", "table_digest", "check_idx", "write_tables"]
