@@ -163,3 +163,21 @@ def test_the_rules_follow_the_declared_roles():
                         main_process_port=29500).on_this_machine()
     assert {name: getattr(node, name) for name in PER_MACHINE} == {
         "machine_rank": 0, "main_process_ip": None, "main_process_port": None}
+
+
+def test_every_train_flow_deployment_in_prefect_yaml_has_valid_parameters():
+    from pathlib import Path
+
+    import yaml
+
+    from training.config import BLOCKS
+
+    recipe = yaml.safe_load((Path(__file__).parents[1] / "prefect.yaml").read_text())
+    checked = []
+    for deployment in recipe["deployments"]:
+        if deployment["entrypoint"] != "flows/train_flow.py:train_flow":
+            continue
+        for name, block in deployment.get("parameters", {}).items():
+            BLOCKS[name].model_validate(block)
+        checked.append(deployment["name"])
+    assert {"digits", "dogs-vs-cats", "mnist"} <= set(checked)
