@@ -193,3 +193,40 @@ def test_the_flow_trains_on_torchvision_mnist_and_tests_on_its_official_test_set
     gate = again.registration
     assert gate.compared_images == 120 and gate.metric == "accuracy"
     assert gate.champion_value == pytest.approx(run.data.metrics["test_accuracy"], abs=1e-9)
+
+
+def test_hugging_face_labels_without_a_class_label_are_named_by_their_values(tmp_path, home):
+    import datasets
+
+    from tests.formats import digit_like, png
+
+    for split, count in (("train", 20), ("test", 6)):
+        kinds = ["round" if i % 2 else "flat" for i in range(count)]
+        datasets.Dataset.from_dict(
+            {"image": [{"bytes": png(digit_like(i % 2, i)), "path": None} for i in range(count)],
+             "label": kinds},
+            features=datasets.Features({"image": datasets.Image(),
+                                        "label": datasets.Value("string")}),
+        ).to_parquet(tmp_path / "hub" / f"{split}.parquet")
+    ref, result = _split(DatasetSpec(source=f"hf:{tmp_path / 'hub'}"), home, 28)
+    assert ref.class_names == ["flat", "round"]
+    assert result.counts["test"] == {"flat": 3, "round": 3}
+
+
+@pytest.mark.slow
+def test_the_flow_trains_on_a_hugging_face_parquet_dataset(prefect_engine, session_home,
+                                                          tmp_path):
+    from mlflow import MlflowClient
+
+    from flows.train_flow import train_flow
+    from training.storage import tracking_uri
+
+    names = ["low", "middle", "high"]
+    write_hf_parquet(tmp_path / "hub", {"train": 240, "test": 60}, names)
+    result = train_flow(dataset={"source": f"hf:{tmp_path / 'hub'}"},
+                        training={"epochs": 2, "image_size": 16, "batch_size": 16},
+                        registry={"model_name": "hf-bars"})
+    run = MlflowClient(tracking_uri()).get_run(result.mlflow_run_id)
+    assert result.trained.job.split.counts["test"] == {n: 20 for n in names}
+    assert result.trained.class_names == sorted(names)
+    assert run.data.metrics["test_accuracy"] > 0.5 and result.registration.promoted
