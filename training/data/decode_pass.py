@@ -82,18 +82,20 @@ def copy_array_rows(root: Path, items: list[WorkItem], chunk: int = 8192) -> dic
         array = np.load(root / file, mmap_mode="r")
         if array.shape[1:3] != (side, side):
             continue
-        store = np.memmap(data, dtype=np.uint8, mode="r+")
-        store = store.reshape(-1, 3, side, side)
+        store = np.memmap(data, dtype=np.uint8, mode="r+").reshape(-1, 3, side, side)
         grayscale = array.ndim == 3
+        sources = np.fromiter((i.relpath.rpartition(MARK)[2] for i in group), np.int64,
+                              len(group))
+        targets = np.fromiter((i.row for i in group), np.int64, len(group))
         for start in range(0, len(group), chunk):
-            part = group[start:start + chunk]
-            pixels = array[[int(i.relpath.rpartition(MARK)[2]) for i in part]]
+            pixels = array[sources[start:start + chunk]]
             pixels = (np.repeat(pixels[:, None], 3, axis=1) if grayscale
                       else pixels.transpose(0, 3, 1, 2))
-            store[[i.row for i in part]] = pixels
+            store[targets[start:start + chunk]] = pixels
         store.flush()
         del store
-        outcomes.update((i.relpath, Outcome(ok=True, grayscale=grayscale)) for i in group)
+        copied = Outcome(ok=True, grayscale=grayscale)  # frozen: one shared by every row
+        outcomes.update((i.relpath, copied) for i in group)
     return outcomes
 
 

@@ -74,6 +74,7 @@ def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path,
              else None)
     ledger_path = folder / "ledger.json"
     ledger: dict[str, str] = json.loads(ledger_path.read_text()) if ledger_path.exists() else {}
+    hoped = None
     if sides:
         # Assigned as if every image were readable, so that each is decoded at its split's
         # side; the few a bad file moves to another split are decoded again below.
@@ -95,7 +96,8 @@ def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path,
         by_class[label].append(rel)
     if given is None:
         _check_class_sizes(ref, by_class, spec)
-    assignment = _assign(good, ledger, spec, given)
+    # With every image readable, the assignment is the hoped one (the same inputs).
+    assignment = hoped if hoped is not None and not bad else _assign(good, ledger, spec, given)
     if given is not None:
         _check_given_splits(ref, good, assignment)
     if sides and bad:
