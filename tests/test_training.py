@@ -294,3 +294,28 @@ def test_a_preemption_notice_mid_epoch_saves_there_and_the_retry_resumes_at_the_
         for name in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
             assert getattr(done, name) == pytest.approx(getattr(uninterrupted, name),
                                                         rel=1e-4, abs=1e-6), name
+
+
+@pytest.mark.parametrize(("device", "processes", "synced"), [
+    ("cuda", 2, True), ("cuda", 1, False), ("cpu", 2, False)])
+def test_batchnorm_is_synced_across_gpu_ranks_and_its_weights_load_into_plain_batchnorm(
+        digits_split, tmp_path, device, processes, synced):
+    import torch
+
+    from training.train import make_model
+
+    _, split = digits_split
+    job = TrainJob(split=split, output_dir=tmp_path, training={"model": "resnet18",
+                                                                "image_size": 32})
+    model = make_model(job, device, processes)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert len(norms) == 20
+    assert all(isinstance(m, torch.nn.SyncBatchNorm) for m in norms) == synced
+    assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in norms) == (not synced)
+    # What is saved from a synced model loads, strictly, into the plain network that serves.
+    plain = build_model("resnet18", len(split.class_names), 3, 32)
+    plain.load_state_dict(model.state_dict(), strict=True)
+    off = job.model_copy(update={"training": job.training.model_copy(
+        update={"sync_batchnorm": False})})
+    assert not any(isinstance(m, torch.nn.SyncBatchNorm)
+                   for m in make_model(off, device, processes).modules())

@@ -323,6 +323,10 @@ class TrainingSpec(Spec):
     channels_last: Annotated[bool, Role.RECIPE] = Field(
         True, description="NHWC memory layout for convolutions (measured 1.05-1.15x faster "
         "steps on CPU for basicnet, resnet18, mobilenet_v3_small, vgg16: bench/RESULTS.md).")
+    sync_batchnorm: Annotated[bool, Role.RECIPE] = Field(
+        True, description="With several GPU processes, BatchNorm takes its statistics over "
+        "every rank's batch (torch's SyncBatchNorm), as one process would; CPU processes keep "
+        "their own (SyncBatchNorm runs on CUDA only).")
     compile: Annotated[bool, Role.RECIPE] = Field(
         False, description="torch.compile the model (slow first epoch).")
     loader_workers: Annotated[int | Literal["auto"], Role.RECIPE] = Field(
