@@ -311,7 +311,7 @@ def test_batchnorm_is_synced_across_gpu_ranks_and_its_weights_load_into_plain_ba
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     assert len(norms) == 20
     assert all(isinstance(m, torch.nn.SyncBatchNorm) for m in norms) == synced
-    assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in norms) == (not synced)
+    assert any(isinstance(m, torch.nn.SyncBatchNorm) for m in norms) == synced
     # What is saved from a synced model loads, strictly, into the plain network that serves.
     plain = build_model("resnet18", len(split.class_names), 3, 32)
     plain.load_state_dict(model.state_dict(), strict=True)

@@ -116,24 +116,32 @@ print(json.dumps({"labels": list(out["label"]), "leaked": leaked}))
 """
 
 
+def trained_and_registered(split, tmp_path, training: dict, name: str):
+    """2 epochs on 2 processes, evaluated and registered in a fresh MLflow store: (the store's
+    URI, the run, the registration)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = TrainJob(split=split, output_dir=tmp_path / "train",
+                   training={"epochs": 2, "num_processes": 2, **training})
+    trained = run_training(job, logging.getLogger("t"))
+    assert trained.world_size == 2 and trained.best_metrics.val_accuracy > 0.2  # chance 0.1
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        experiment = MlflowClient(uri).create_experiment(
+            name, artifact_location=(tmp_path / "a").as_uri())
+        run_id = MlflowClient(uri).create_run(experiment).info.run_id
+        evaluation = evaluate_model.fn(trained, run_id)
+        registration = register_model.fn(trained, evaluation, RegistrySpec(model_name=name),
+                                         run_id, {FLOW_RUN_ID: name})
+    return uri, run_id, registration
+
+
 @pytest.mark.slow
 def test_a_user_model_trains_registers_and_serves_without_its_code_installed(
         digits_split, user_code, tmp_path):
     _, split = digits_split
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    job = TrainJob(split=split, output_dir=tmp_path / "train",
-                   training={"model": "teamnets.convs:small", "image_size": 12, "epochs": 2,
-                             "num_processes": 2})
-    trained = run_training(job, logging.getLogger("t"))
-    assert trained.world_size == 2 and trained.best_metrics.val_accuracy > 0.2  # chance 0.1
+    uri, run_id, registration = trained_and_registered(
+        split, tmp_path, {"model": "teamnets.convs:small", "image_size": 12}, "team")
     client = MlflowClient(uri)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", uri)
-        experiment = client.create_experiment("users", artifact_location=(tmp_path / "a").as_uri())
-        run_id = client.create_run(experiment).info.run_id
-        evaluation = evaluate_model.fn(trained, run_id)
-        registration = register_model.fn(trained, evaluation, RegistrySpec(model_name="team"),
-                                         run_id, {FLOW_RUN_ID: "users"})
     assert registration.promoted
     files = {a.path for a in client.list_artifacts(run_id, "model/code")}
     assert files == {"model/code/trainflow_serving", "model/code/teamnets"}
@@ -197,20 +205,11 @@ def test_a_timm_model_trains_and_its_champion_requires_the_timm_that_trained_it(
     import importlib.metadata
 
     _, split = digits_split
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    job = TrainJob(split=split, output_dir=tmp_path / "train",
-                   training={"model": "timm:resnet10t", "image_size": 16, "epochs": 2,
-                             "num_processes": 2, "lr": 3e-3})
-    trained = run_training(job, logging.getLogger("t"))
-    assert trained.world_size == 2 and trained.best_metrics.val_accuracy > 0.2  # chance 0.1
+    uri, run_id, _ = trained_and_registered(
+        split, tmp_path, {"model": "timm:resnet10t", "image_size": 16, "lr": 3e-3}, "timmnet")
     client = MlflowClient(uri)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", uri)
-        experiment = client.create_experiment("timm", artifact_location=(tmp_path / "a").as_uri())
-        run_id = client.create_run(experiment).info.run_id
-        evaluation = evaluate_model.fn(trained, run_id)
-        register_model.fn(trained, evaluation, RegistrySpec(model_name="timmnet"), run_id,
-                          {FLOW_RUN_ID: "timm"})
         local = mlflow.artifacts.download_artifacts("models:/timmnet@champion",
                                                     dst_path=str(tmp_path / "m"))
         served = mlflow.pyfunc.load_model(local).predict(pd.DataFrame(
