@@ -230,3 +230,18 @@ def test_the_flow_trains_on_a_hugging_face_parquet_dataset(prefect_engine, sessi
     assert result.trained.job.split.counts["test"] == {n: 20 for n in names}
     assert result.trained.class_names == sorted(names)
     assert run.data.metrics["test_accuracy"] > 0.5 and result.registration.promoted
+
+
+def test_an_image_file_with_a_hash_in_its_name_is_a_file_not_a_row(tmp_path, home):
+    from tests.imagegen import photo
+
+    for label in ("cat", "dog"):
+        (tmp_path / "pets" / label).mkdir(parents=True)
+        for i in range(10):
+            photo(label, i).save(tmp_path / "pets" / label / f"{label}#{i}.png")
+    ref, result = _split(DatasetSpec(source=str(tmp_path / "pets")), home, 24)
+    assert result.quarantined == 0 and ref.image_count == 20
+    path = read_manifest(result.manifest)[0][0]
+    assert "#" in path
+    assert np.array_equal(_stored(result, home, 24, [path])[0],
+                          decode_image(result.root / path, 24)[0])

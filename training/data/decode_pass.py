@@ -24,7 +24,7 @@ import numpy as np
 
 from trainflow_serving.images import ImageRejected
 from training.data.images import decode_image
-from training.data.rows import ARRAY, MARK
+from training.data.rows import ARRAY, MARK, file_of
 
 IN_PROCESS_BELOW = 2000  # images: under this, starting processes costs more than it saves
 PROGRESS_EVERY = 500
@@ -74,8 +74,8 @@ def copy_array_rows(root: Path, items: list[WorkItem], chunk: int = 8192) -> dic
     exactly the per-image decode, without one."""
     groups: dict[tuple[str, str, int], list[WorkItem]] = {}
     for item in items:
-        file, mark, _ = item.relpath.partition(MARK)
-        if mark and file.endswith(ARRAY):
+        file = file_of(item.relpath)
+        if file != item.relpath and file.endswith(ARRAY):
             groups.setdefault((file, item.data, item.side), []).append(item)
     outcomes: dict[str, Outcome] = {}
     for (file, data, side), group in groups.items():

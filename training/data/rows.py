@@ -26,6 +26,7 @@ from trainflow_serving.images import ImageRejected, open_image
 
 MARK = "#"
 ARRAY, ENCODED, FILES = "images.npy", "images.bin", "files.txt"
+CONTAINERS = (ARRAY, ENCODED, FILES)
 _opened: dict[tuple[str, int], object] = {}
 _lock = threading.Lock()
 
@@ -35,7 +36,14 @@ def row_path(split: str, container: str, row: int) -> str:
 
 
 def is_row(path: Path | str) -> bool:
-    return MARK in Path(path).name
+    """A row of one of our containers; an image file may have "#" in its name too."""
+    container, mark, row = Path(path).name.partition(MARK)
+    return bool(mark) and container in CONTAINERS and row.isdigit()
+
+
+def file_of(relpath: str) -> str:
+    """The file behind a path: a row's container, or the image file itself."""
+    return relpath.partition(MARK)[0] if is_row(relpath) else relpath
 
 
 def _row(path: Path) -> tuple[Path, int]:

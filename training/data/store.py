@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from training.data.decode_pass import Outcome, WorkItem, decode_all
-from training.data.rows import MARK
+from training.data.rows import file_of
 from training.storage import write_json_atomic
 
 CHANNELS = 3
@@ -179,7 +179,7 @@ class Identities:
         self.root, self.known = root, {}
 
     def __call__(self, relpath: str) -> list[int]:
-        file = relpath.partition(MARK)[0]
+        file = file_of(relpath)
         if file not in self.known:
             stat = (self.root / file).stat()
             self.known[file] = [stat.st_size, stat.st_mtime_ns]

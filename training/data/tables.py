@@ -30,7 +30,7 @@ import numpy as np
 
 from training.config import DatasetSpec
 from training.data.labels import DatasetError
-from training.data.rows import ARRAY, ENCODED, FILES, row_path
+from training.data.rows import ARRAY, CONTAINERS, ENCODED, FILES, row_path
 
 TABLE = "table.json"
 IDX_MAGIC = {"images": 0x0803, "labels": 0x0801}  # unsigned bytes, 3 and 1 dimensions
@@ -110,7 +110,7 @@ def table_pairs(root: Path) -> tuple[list[tuple[str, str]], list[str]]:
     pairs = []
     for split in table["counts"]:
         folder = root / split
-        container = next(c for c in (ARRAY, ENCODED, FILES) if (folder / c).is_file())
+        container = next(c for c in CONTAINERS if (folder / c).is_file())
         labels = np.load(folder / "labels.npy")
         pairs += [(row_path(split, container, i), names[label]) for i, label in enumerate(labels)]
     return pairs, names
