@@ -245,3 +245,11 @@ def test_an_image_file_with_a_hash_in_its_name_is_a_file_not_a_row(tmp_path, hom
     assert "#" in path
     assert np.array_equal(_stored(result, home, 24, [path])[0],
                           decode_image(result.root / path, 24)[0])
+
+
+def test_a_hugging_face_dataset_with_only_a_train_split_has_its_test_split_carved(tmp_path,
+                                                                                  home):
+    write_hf_parquet(tmp_path / "hub", {"train": 60}, ["a", "b", "c"])
+    _, result = _split(DatasetSpec(source=f"hf:{tmp_path / 'hub'}"), home, 20)
+    assert result.given_splits is None
+    assert result.counts["test"] == {"a": 2, "b": 2, "c": 2}  # test_fraction 0.1 of each class

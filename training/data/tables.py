@@ -7,6 +7,7 @@ Each source is read once into one container per split, never one file per image:
         train/images.npy        (or images.bin + images.offsets.npy, or files.txt)
         train/labels.npy        int64 [N]
         test/...                the source's own test split, kept as the test split
+                                (a Hugging Face dataset without one: test is carved)
 
 Array-backed data (MNIST's IDX files, CIFAR's batches) becomes one uint8 array per split;
 encoded images (parquet bytes) stay encoded, back to back; a catalogue's own image files
@@ -121,9 +122,9 @@ def table_digest(root: Path) -> str:
 
 
 def _check_labels(spec: DatasetSpec, splits: dict[str, Table], class_names: list[str]) -> None:
-    if "train" not in splits or "test" not in splits:
-        raise DatasetError(f"{spec.source} has the splits {', '.join(splits) or 'none'}; a "
-                           "source that comes split needs a train and a test split")
+    if "train" not in splits:
+        raise DatasetError(f"{spec.source} has the splits {', '.join(splits) or 'none'}; it "
+                           "needs a train split (without a test split, test is carved from it)")
     for split, table in splits.items():
         if len(table.labels) == 0:
             raise DatasetError(f"the {split} split of {spec.source} is empty")
@@ -134,6 +135,12 @@ def _check_labels(spec: DatasetSpec, splits: dict[str, Table], class_names: list
                 f"the {split} split of {spec.source} has {int(bad.sum())} labels outside the "
                 f"{len(class_names)} classes, first {int(table.labels[row])} at row {row}; fix "
                 "the labels or the class list")
+
+
+def _message(error: Exception) -> str:
+    """The line of an error that says what went wrong (urllib's and the hub's are long)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def _file_digest(folder: Path) -> str:
@@ -201,7 +208,7 @@ def _download(construct, root: Path, needed: list[Path], spec: DatasetSpec) -> N
     except Exception as e:  # noqa: BLE001 - torchvision raises what urllib and its checks raise
         missing = [str(p.relative_to(root)) for p in needed if not p.is_file()]
         raise DatasetError(
-            f"{spec.source}: torchvision could not download it ({str(e).splitlines()[-1][:200]}) "
+            f"{spec.source}: torchvision could not download it ({_message(e)[:200]}) "
             f"and {root} lacks {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}; "
             "put a copy of those files there (dataset.root names the folder), or run where the "
             "network reaches the dataset's host") from e
@@ -313,7 +320,7 @@ def _read_catalogue(cls, root: Path, variant: str, spec: DatasetSpec):
                 else cls(str(root), **args)
         except Exception as e:  # noqa: BLE001 - torchvision's own errors, named below
             raise DatasetError(f"{spec.source} could not be loaded from {root}: "
-                               f"{str(e).splitlines()[-1][:300]}; put a copy there "
+                               f"{_message(e)[:300]}; put a copy there "
                                "(dataset.root names the folder) or run where the network "
                                "reaches it") from e
         splits[part] = _catalogue_table(ds, spec)
@@ -357,7 +364,7 @@ def _huggingface(spec: DatasetSpec):
     try:
         loaded = datasets.load_dataset(str(local.resolve()) if local.exists() else name)
     except Exception as e:  # noqa: BLE001 - the hub's and the builders' errors, named below
-        raise DatasetError(f"{spec.source} could not be loaded: {str(e).splitlines()[0][:300]}; "
+        raise DatasetError(f"{spec.source} could not be loaded: {_message(e)[:300]}; "
                            "give a dataset on the Hugging Face Hub or a local folder of parquet "
                            "or arrow files (offline: a folder, or the datasets cache)") from e
     unknown = [s for s in loaded if s not in HF_SPLITS]
