@@ -197,6 +197,11 @@ def test_timm_models_build_by_name_and_take_published_weights_from_the_hub_cache
     mine = model.state_dict()
     assert torch.equal(mine["conv1.0.weight"], published["conv1.0.weight"])
     assert mine["fc.weight"].shape == (3, 512)  # a new head for this task's classes
+    # Inputs are normalised with the statistics the published weights were trained with.
+    from training.models.build import normalization
+
+    assert normalization("timm:inception_v3", True, 3) == ([0.5] * 3, [0.5] * 3)
+    assert normalization("timm:resnet10t", True, 3)[0] == [0.485, 0.456, 0.406]
 
 
 @pytest.mark.slow

@@ -23,7 +23,14 @@ def input_channels(model_name: str, data_channels: int) -> int:
 
 
 def normalization(model_name: str, pretrained: bool, channels: int) -> tuple[list[float], list[float]]:
-    """ImageNet's for pretrained weights (torchvision's, or a weights file), else 0.5 +- 0.5."""
+    """The weights' own for pretrained weights (timm's published statistics, else ImageNet's,
+    as torchvision's and most weights files were trained), else 0.5 +- 0.5."""
+    if pretrained and model_name.startswith(TIMM):
+        import timm
+
+        config = timm.models.get_pretrained_cfg(model_name.removeprefix(TIMM))
+        if config is not None and len(config.mean) == channels:
+            return list(config.mean), list(config.std)
     if pretrained:
         return list(IMAGENET_MEAN), list(IMAGENET_STD)
     return [0.5] * channels, [0.5] * channels
