@@ -106,7 +106,8 @@ def test_bad_parameters_fail_before_any_work(prefect_engine, tmp_path):
     # One line per problem, naming the field, the value and a valid example; not retried.
     assert error.value.problems == [
         'training.model: unknown model \'resnet-18\'; use "basicnet", "resnet18", "vgg16" or '
-        "another name from torchvision.models.list_models(), or your own network as "
+        "another name from torchvision.models.list_models(), \"timm:<name>\" from timm's "
+        "catalogue, or your own network as "
         '"<module>:<callable>", e.g. "mypkg.nets:build"',
         "training.epochs: Input should be greater than or equal to 1 (got 0)"]
     assert "\n" not in str(error.value) and "errors.pydantic.dev" not in str(error.value)
