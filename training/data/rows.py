@@ -37,13 +37,15 @@ def row_path(split: str, container: str, row: int) -> str:
 
 def is_row(path: Path | str) -> bool:
     """A row of one of our containers; an image file may have "#" in its name too."""
-    container, mark, row = Path(path).name.partition(MARK)
+    # String operations: this runs for every row of a 70,000-row table, several times.
+    name = path.name if isinstance(path, Path) else path.rpartition("/")[2]
+    container, mark, row = name.partition(MARK)
     return bool(mark) and container in CONTAINERS and row.isdigit()
 
 
 def file_of(relpath: str) -> str:
     """The file behind a path: a row's container, or the image file itself."""
-    return relpath.partition(MARK)[0] if is_row(relpath) else relpath
+    return relpath.partition(MARK)[0] if MARK in relpath and is_row(relpath) else relpath
 
 
 def _row(path: Path) -> tuple[Path, int]:
