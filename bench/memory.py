@@ -64,7 +64,7 @@ def main() -> None:
     from bench.scale import photos
     from tasks.train import run_training
     from training.config import DatasetSpec, SplitSpec, TrainingSpec
-    from training.data.cache import split_sides
+    from training.data.sides import split_sides
     from training.data.sources import prepare
     from training.data.split import split_dataset
     from training.data.store import store_bytes

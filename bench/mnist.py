@@ -48,7 +48,7 @@ import sys, time
 from pathlib import Path
 started = time.perf_counter()
 from training.config import DatasetSpec, SplitSpec, TrainingSpec
-from training.data.cache import split_sides
+from training.data.sides import split_sides
 from training.data.sources import prepare
 from training.data.split import split_dataset
 ref = prepare(DatasetSpec(source="torchvision:MNIST", root=sys.argv[1]), Path(sys.argv[2]))

@@ -114,7 +114,8 @@ def loader_table(splits, home: Path, epochs: int) -> list[str]:
     from torch.utils.data import DataLoader
 
     from bench.baseline import make_datasets
-    from training.data.cache import CachedImages, cache_side, decode_split
+    from training.data.cache import CachedImages, decode_split
+    from training.data.sides import cache_side
 
     job = TrainJob(split=splits["jpeg"], output_dir=home / "loader",
                    training={"model": "resnet18", "image_size": 64, "batch_size": 32})

@@ -60,7 +60,8 @@ def full_decode(path: Path) -> None:
 
 def data_stages(root: Path, pairs: int) -> list[str]:
     from training.config import DatasetSpec, SplitSpec, TrainingSpec
-    from training.data.cache import decode_split, split_sides
+    from training.data.cache import decode_split
+    from training.data.sides import split_sides
     from training.data.sources import prepare
     from training.data.split import split_dataset
     from training.data.store import store_bytes

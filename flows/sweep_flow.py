@@ -30,7 +30,7 @@ from tasks.register import Registration, apply_approval, ask_for_approval, regis
 from tasks.sweep import SweepSummary, run_trials
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run
 from training.config import DatasetSpec, Distribution, RegistrySpec, SplitSpec, SweepSpec, TrainingSpec
-from training.data.cache import split_sides
+from training.data.sides import split_sides
 
 
 class SweepResult(BaseModel):

@@ -29,7 +29,7 @@ from tasks.report import publish_report
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run, run_url
 from tasks.train import train_model
 from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
-from training.data.cache import split_sides
+from training.data.sides import split_sides
 from training.handoff import TrainResult
 from training.storage import home, tracking_uri
 

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import mlflow
-import torch
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from prefect import task
@@ -26,7 +25,7 @@ from tasks.gate import SameImages, champion_class_names, one_decision_at_a_time,
 from tasks.lineage import CHALLENGER, CHAMPION, FLOW_RUN_ID, champion_version, metric_tag
 from tasks.tracking import fluent_mlflow
 from trainflow_serving import DESCRIPTION_ARTIFACT, WEIGHTS_ARTIFACT
-from trainflow_serving.networks import TIMM, is_user_model
+from trainflow_serving.model_names import TIMM, is_user_model
 from training.config import RegistrySpec
 from training.data.rows import image_bytes
 from training.data.split import read_manifest
@@ -115,7 +114,6 @@ def log_model(trained: TrainResult, run_id: str) -> str:
     normalises with training's own functions.
     """
     import pandas as pd
-    import torchvision
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, Schema
 
@@ -144,10 +142,9 @@ def log_model(trained: TrainResult, run_id: str) -> str:
             # Explicit requirements: inferring them starts a subprocess that imports the model.
             # The exact versions that trained it, so a serving host gets the same.
             pip_requirements=[f"mlflow=={mlflow.__version__}",
-                              f"torch=={torch.__version__.split('+')[0]}",
-                              f"torchvision=={torchvision.__version__.split('+')[0]}",
-                              *(f"{name}=={importlib.metadata.version(name)}"
-                                for name in serving_packages(trained.job.training.model))],
+                              *(f"{name}=={importlib.metadata.version(name).split('+')[0]}"
+                                for name in ("torch", "torchvision",
+                                             *serving_packages(trained.job.training.model)))],
         )
     return model_info.model_uri
 

@@ -79,6 +79,17 @@ def _refused_before_any_server(tmp_path: Path, command: list[str], message: str)
     assert time.monotonic() - started < 30
 
 
+def test_the_flows_load_without_what_only_the_ranks_need():
+    """A hand-started run pays for importing its flow before anything starts: torch (about 3 s
+    here) and matplotlib belong to the ranks and to drawing, not to importing a flow."""
+    probe = ("import sys, flows.train_flow, flows.sweep_flow, flows.predict_flow; "
+             "print(sorted(m for m in ('torch', 'torchvision', 'matplotlib') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "[]"
+
+
 @pytest.mark.slow
 def test_hand_started_flows_share_one_local_server_on_a_busy_machine(tmp_path):
     """Every core busy, fresh home: the first run starts the local server and completes; the

@@ -220,8 +220,10 @@ def test_a_timm_model_trains_and_its_champion_requires_the_timm_that_trained_it(
         served = mlflow.pyfunc.load_model(local).predict(pd.DataFrame(
             {"image": [(split.root / p).read_bytes() for p, _, s in
                        read_manifest(split.manifest) if s == "test"][:8]}))
-    assert f"timm=={importlib.metadata.version('timm')}" in \
-        (tmp_path / "m" / "requirements.txt").read_text().split()
+    # The exact versions that trained it, so a serving host installs the same.
+    required = (tmp_path / "m" / "requirements.txt").read_text().split()
+    for package in ("timm", "torch", "torchvision", "mlflow"):
+        assert f"{package}=={importlib.metadata.version(package)}" in required, required
     assert {a.path for a in client.list_artifacts(run_id, "model/code")} == {
         "model/code/trainflow_serving"}  # timm is a requirement, not shipped code
     assert served["error"].isna().all() and served["label"].notna().all()

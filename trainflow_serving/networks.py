@@ -8,6 +8,8 @@ import importlib
 import torch
 from torch import nn
 
+from trainflow_serving.model_names import TIMM, is_user_model
+
 
 class UserModelError(ValueError):
     """A `<module>:<callable>` model that cannot be built; the message names the module, the
@@ -33,14 +35,6 @@ class BasicNet(nn.Module):
         x = self.dropout1(torch.max_pool2d(x, 2))
         x = self.dropout2(torch.relu(self.fc1(torch.flatten(x, 1))))
         return self.fc2(x)
-
-
-TIMM = "timm:"
-
-
-def is_user_model(model_name: str) -> bool:
-    """`<module>:<callable>`: a network of the user's own."""
-    return ":" in model_name and not model_name.startswith(TIMM)
 
 
 def timm_network(model_name: str, num_classes: int, pretrained: bool = False) -> nn.Module:

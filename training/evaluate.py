@@ -21,7 +21,8 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
 
 from trainflow_serving.networks import Normalize
-from training.data.cache import CachedImages, decode_split, split_sides
+from training.data.cache import CachedImages, decode_split
+from training.data.sides import split_sides
 from training.engine.events import Evaluated, Heartbeat
 from training.engine.progress import ProgressWriter, Rank, start_rank
 from training.evaluation.metrics import compute_metrics, predictions_csv

@@ -35,7 +35,8 @@ from torch.utils.data import DataLoader
 
 from trainflow_serving.networks import Normalize
 from training.config import PER_MACHINE, TrainingSpec
-from training.data.cache import CachedImages, decode_split, split_sides
+from training.data.cache import CachedImages, decode_split
+from training.data.sides import split_sides
 from training.engine.checkpoint import Checkpointer, TrainerState, project_configuration
 from training.engine.events import (
     EarlyStopped,

@@ -16,25 +16,11 @@ import torch
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from training.config import TrainingSpec
 from training.data.split import read_manifest
 from training.data.store import DecodeStore, decode_into_stores
 from training.handoff import SplitResult
 
-# Random crops are cut from a slightly larger image, as ImageNet training does (256 -> 224).
-CROP_MARGIN = 8 / 7
 CROP_SCALE = (0.7, 1.0)
-
-
-def cache_side(image_size: int, augment: bool) -> int:
-    """The cached side: a margin to crop from when augmenting, else the input size itself."""
-    return round(image_size * CROP_MARGIN) if augment else image_size
-
-
-def split_sides(spec: TrainingSpec) -> dict[str, int]:
-    """The side each split is decoded at for a training with this spec."""
-    return {"train": cache_side(spec.image_size, spec.augment != "none"),
-            "val": spec.image_size, "test": spec.image_size}
 
 
 @dataclass(frozen=True)

@@ -3,19 +3,30 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
+from PIL import Image
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from PIL import Image  # noqa: E402
+from training.data.rows import open_any
+from training.engine.events import EpochMetrics
 
-from training.data.rows import open_any  # noqa: E402
-from training.engine.events import EpochMetrics  # noqa: E402
+if TYPE_CHECKING:
+    import torch
+
+
+def _pyplot():
+    """matplotlib on its file-only backend, imported when a picture is drawn: importing the
+    flow (which draws the curves) must not pay for it, nor for torch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def training_curves_png(history: list[EpochMetrics], path: Path) -> Path:
+    plt = _pyplot()
     epochs = [h.epoch for h in history]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in ((ax_loss, "loss"), (ax_acc, "accuracy")):
@@ -31,6 +42,7 @@ def training_curves_png(history: list[EpochMetrics], path: Path) -> Path:
 
 
 def confusion_matrix_png(matrix: list[list[int]], class_names: list[str], path: Path) -> Path:
+    plt = _pyplot()
     size = max(4, 0.5 * len(class_names) + 2)
     fig, ax = plt.subplots(figsize=(size, size))
     ax.imshow(matrix, cmap="Blues")
@@ -52,6 +64,9 @@ def worst_predictions_png(root: Path, paths: list[str], labels: torch.Tensor,
                           logits: torch.Tensor, class_names: list[str], path: Path,
                           count: int = 16) -> Path:
     """The misclassified test images the model was most confident about, four to a row."""
+    import torch
+
+    plt = _pyplot()
     probs = torch.softmax(logits, 1)
     confidence, predicted = probs.max(1)
     wrong = (predicted != labels).nonzero().flatten().tolist()
