@@ -90,6 +90,8 @@ def run(command: list[str], env: dict) -> tuple[float, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--data-only", action="store_true",
+                        help="measure data ready only, not the flow against the script")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="bench-mnist-"))
     data = folder / "torchvision"
@@ -119,8 +121,9 @@ def main() -> None:
             ready["ours, unchanged data"].append(float(run([sys.executable, "-c", PREPARE,
                                                             str(data), fresh], env)[1]))
             shutil.rmtree(fresh)
-        run(flow, env)  # the flow's home: tables, store and the local server, once
-        for _ in range(args.pairs):
+        if not args.data_only:
+            run(flow, env)  # the flow's home: tables, store and the local server, once
+        for _ in range(0 if args.data_only else args.pairs):
             seconds, out = run(script, script_env)
             walls["script"].append(seconds)
             scores["script"].append(json.loads(out.strip().splitlines()[-1]))
@@ -143,6 +146,8 @@ def main() -> None:
         print(f"| {name} | {statistics.median(values):.2f} | "
               f"{', '.join(f'{v:.2f}' for v in values)} | "
               f"{statistics.median(values) / reference:.2f}x |")
+    if args.data_only:
+        return
     print("\n| 1 epoch, 2 processes | wall s (median) | runs | epoch s | test accuracy "
           "(10,000) |\n|---|---|---|---|---|")
     for name in ("script", "flow"):

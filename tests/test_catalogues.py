@@ -4,8 +4,12 @@ own test split is the test split; the rows are decoded straight into the store."
 
 from __future__ import annotations
 
+import json
 import pickle
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -91,6 +95,45 @@ def test_cifar_batches_give_their_class_names_and_test_batch(tmp_path, home):
     stored = _stored(result, home, 32, tests)
     for path, pixels in zip(tests, stored, strict=True):
         assert np.array_equal(pixels.transpose(1, 2, 0), images[int(path[-7:])])
+
+
+READ_AS_TORCHVISION = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from training.config import DatasetSpec
+from training.data.tables import prepare_tables
+home, data = Path(sys.argv[1]), sys.argv[2]
+roots = {name: prepare_tables(DatasetSpec(source=f"torchvision:{name}", root=data), home)
+         for name in ("MNIST", "FashionMNIST", "KMNIST", "CIFAR10")}
+seen = {"torch imported": "torch" in sys.modules}
+import torchvision.datasets as catalogue
+for name in ("MNIST", "FashionMNIST", "KMNIST"):
+    cls = getattr(catalogue, name)
+    same = json.loads((roots[name] / "table.json").read_text())["class_names"] == cls.classes
+    for split, train in (("train", True), ("test", False)):
+        ds = cls(data, train=train)
+        same = same and np.array_equal(np.load(roots[name] / split / "images.npy"),
+                                       ds.data.numpy())
+        same = same and np.array_equal(np.load(roots[name] / split / "labels.npy"),
+                                       ds.targets.numpy())
+    seen[name] = same
+print(json.dumps(seen))
+"""
+
+
+def test_mnist_and_cifar_files_read_as_torchvision_reads_them_without_importing_torch(tmp_path):
+    """The flow's process reads these layouts itself (torch's import costs more than reading
+    70,000 digits): the same arrays, labels and class names as torchvision's own classes."""
+    for name, train in (("MNIST", 40), ("FashionMNIST", 50), ("KMNIST", 60)):
+        write_mnist(tmp_path / "tv", train=train, test=20, name=name)
+    write_cifar10(tmp_path / "tv", per_batch=4, test=10)
+    done = subprocess.run([sys.executable, "-c", READ_AS_TORCHVISION, str(tmp_path / "home"),
+                           str(tmp_path / "tv")], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {
+        "torch imported": False, "MNIST": True, "FashionMNIST": True, "KMNIST": True}
 
 
 def test_a_cifar_batch_that_would_run_code_is_refused_unopened(tmp_path, home):

@@ -17,7 +17,9 @@ that comes split: the given test set is the test set, and val is carved from tra
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib.util
 import inspect
 import json
 import pickle
@@ -25,7 +27,9 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -155,12 +159,14 @@ def _file_digest(folder: Path) -> str:
 # torchvision -------------------------------------------------------------------------------
 
 def _torchvision(spec: DatasetSpec, home: Path):
-    import torchvision.datasets as catalogue
-
     name, _, variant = spec.name.partition("/")
-    cls = getattr(catalogue, name)
     root = torchvision_root(spec, home)
     root.mkdir(parents=True, exist_ok=True)
+    if (found := _files_at_hand(name, variant, root)) is not None:
+        return found
+    import torchvision.datasets as catalogue
+
+    cls = getattr(catalogue, name)
     if issubclass(cls, catalogue.MNIST):
         raw = root / cls.__name__ / "raw"  # torchvision's raw_folder
         needed = _mnist_files(cls, raw, variant)
@@ -176,6 +182,91 @@ def _torchvision(spec: DatasetSpec, home: Path):
             _download(lambda: cls(str(root), train=True, download=True), root, needed, spec)
         return _file_digest(folder), lambda: _read_cifar(cls, folder)
     return _file_digest(root) + variant, lambda: _read_catalogue(cls, root, variant, spec)
+
+
+IDX_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+             "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+"""The files MNIST's `_load_data` reads, and every subclass that keeps it."""
+
+
+def _files_at_hand(name: str, variant: str, root: Path):
+    """A plain MNIST- or CIFAR-layout dataset already on disk, read without importing
+    torchvision: its import brings torch's (about 2 s, more than reading 70,000 digits), and
+    the flow's process needs neither. Anything else, or a missing file, goes through
+    torchvision's class."""
+    layout = None if variant else _plain_layout(name)
+    if layout is None:
+        return None
+    if layout.root == "MNIST":
+        raw = root / name / "raw"
+        needed = [raw / file for pair in IDX_FILES.values() for file in pair]
+        if (root / name / "processed").exists() or not all(p.is_file() for p in needed):
+            return None  # torchvision's own legacy files, or a download to make
+        return _file_digest(raw), lambda: _read_idx(raw, list(layout.classes))
+    folder = root / layout.base_folder
+    needed = [folder / n for n, _ in layout.train_list + layout.test_list] + \
+             [folder / layout.meta["filename"]]
+    if not all(p.is_file() for p in needed):
+        return None
+    return _file_digest(folder), lambda: _read_cifar(layout, folder)
+
+
+# What a class may not define for its constants to say all about its files: its own loading.
+_LOADING = {"__init__", "_load_data", "_load_meta", "_check_exists", "_check_legacy_exist",
+            "raw_folder"}
+
+
+@cache
+def _plain_layout(name: str) -> SimpleNamespace | None:
+    """The class-level constants of torchvision's `MNIST`, `CIFAR10` or a subclass of them in
+    the same module that loads its files the same way (FashionMNIST, KMNIST, CIFAR100), read
+    from torchvision's source; None for any other class (EMNIST, QMNIST load their own)."""
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for module, root in (("mnist", "MNIST"), ("cifar", "CIFAR10")):
+        path = Path(spec.submodule_search_locations[0]) / "datasets" / f"{module}.py"
+        if not path.is_file():
+            return None
+        classes = {node.name: node for node in ast.parse(path.read_text(encoding="utf-8")).body
+                   if isinstance(node, ast.ClassDef)}
+        if name not in classes:
+            continue
+        chain = [classes[name]]
+        while chain[-1].name != root:
+            bases = [b.id for b in chain[-1].bases if isinstance(b, ast.Name)]
+            if not bases or bases[0] not in classes:
+                return None
+            chain.append(classes[bases[0]])
+        constants: dict = {"root": root}
+        for node in reversed(chain):
+            if node is not chain[-1] and any(isinstance(item, ast.FunctionDef)
+                                             and item.name in _LOADING for item in node.body):
+                return None
+            for item in node.body:
+                target = (item.targets[0] if isinstance(item, ast.Assign) and len(item.targets) == 1
+                          else item.target if isinstance(item, ast.AnnAssign) else None)
+                if isinstance(target, ast.Name) and item.value is not None:
+                    try:
+                        constants[target.id] = ast.literal_eval(item.value)
+                    except ValueError:
+                        constants.pop(target.id, None)
+        needed = ("classes",) if root == "MNIST" else ("base_folder", "train_list", "test_list",
+                                                       "meta")
+        return SimpleNamespace(**constants) if all(k in constants for k in needed) else None
+    return None
+
+
+def _read_idx(raw: Path, classes: list[str]):
+    """MNIST's train and t10k IDX files, as torchvision's `_load_data` reads them."""
+    splits = {}
+    for part, (image_file, label_file) in IDX_FILES.items():
+        images, labels = read_idx(raw / image_file, "images"), read_idx(raw / label_file, "labels")
+        if len(images) != len(labels):
+            raise DatasetError(f"{raw / image_file} holds {len(images)} images and "
+                               f"{raw / label_file} {len(labels)} labels; they must match")
+        splits[part] = Table(labels=labels.astype(np.int64), images=images)
+    return splits, classes
 
 
 def _mnist_files(cls, raw: Path, variant: str) -> list[Path]:
@@ -220,6 +311,17 @@ def _download(construct, root: Path, needed: list[Path], spec: DatasetSpec) -> N
 def check_idx(path: Path, kind: str) -> int:
     """An IDX file (MNIST's format) of unsigned bytes, checked before torchvision reads it;
     returns how many items it holds."""
+    return _idx_shape(path, kind)[0][0]
+
+
+def read_idx(path: Path, kind: str) -> np.ndarray:
+    """An IDX file of unsigned bytes, checked, as a uint8 array of its shape."""
+    shape, offset = _idx_shape(path, kind)
+    return np.fromfile(path, dtype=np.uint8, offset=offset).reshape(shape)
+
+
+def _idx_shape(path: Path, kind: str) -> tuple[tuple[int, ...], int]:
+    """The shape an IDX file's header gives, and where its data starts."""
     with open(path, "rb") as f:
         header = f.read(4)
         magic = int.from_bytes(header, "big") if len(header) == 4 else -1
@@ -235,7 +337,7 @@ def check_idx(path: Path, kind: str) -> int:
         raise DatasetError(f"{path} is truncated: its header says {shape}, it holds "
                            f"{size} bytes of the {int(np.prod(shape))} that needs; "
                            "replace it with the dataset's original file")
-    return shape[0]
+    return shape, 4 * (1 + dims)
 
 
 def _read_mnist(cls, root: Path, files: list[Path], variant: str):
@@ -412,4 +514,5 @@ def _encoded(value: dict) -> bytes:
     return b""  # an empty image: the split stage quarantines it, as a broken file
 
 
-__all__ = ["prepare_tables", "table_pairs", "table_digest", "check_idx", "write_tables"]
+__all__ = ["prepare_tables", "table_pairs", "table_digest", "check_idx", "read_idx",
+           "write_tables"]
