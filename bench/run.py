@@ -146,7 +146,8 @@ def loader_table(splits, home: Path, epochs: int) -> list[str]:
                         f"epochs 2+ {o2 / b2:.1f}x"]
 
 
-def throughput_table(splits, home: Path, pairs: int, epochs: int) -> list[str]:
+def throughput_table(splits, home: Path, pairs: int, epochs: int,
+                     processes: tuple[int, ...] = (1, 2)) -> list[str]:
     settings = {"jpeg 64px resnet18": ("jpeg", {"model": "resnet18", "image_size": 64,
                                                 "batch_size": 32}),
                 "digits 28px basicnet": ("digits", {"model": "basicnet", "image_size": 28,
@@ -155,7 +156,7 @@ def throughput_table(splits, home: Path, pairs: int, epochs: int) -> list[str]:
              "| start-up s | peak RSS/rank MB | peak RSS total MB |", "|---|---|---|---|---|---|---|---|---|"]
     ratios = []
     for name, (data, training) in settings.items():
-        for procs in (1, 2):
+        for procs in processes:
             runs = {kind: [] for kind in IMPLS}
             job = TrainJob(split=splits[data], output_dir=home / "x",
                            training={**training, "epochs": epochs})
@@ -240,6 +241,8 @@ def main() -> None:
     parser.add_argument("--per-class", type=int, default=500)
     parser.add_argument("--skip-flow", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2],
+                        help="process counts of the training table (default: 1 2)")
     args = parser.parse_args()
     logging.disable(logging.INFO)
     home = Path(tempfile.mkdtemp(prefix="trainflow-bench-"))
@@ -251,7 +254,8 @@ def main() -> None:
                  f"{2 * args.per_class} generated JPEGs", ""]
         if not args.skip_throughput:
             lines += loader_table(splits, home, args.epochs) + [""]
-            lines += throughput_table(splits, home, args.pairs, args.epochs)
+            lines += throughput_table(splits, home, args.pairs, args.epochs,
+                                      tuple(args.processes))
         if not args.skip_flow:
             lines += [""] + flow_overhead(splits, home, args.pairs)
         lines += ["", f"bench wall time: {time.time() - started:.0f} s"]

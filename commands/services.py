@@ -78,6 +78,9 @@ def services_env(prefect_port: int, mlflow_port: int, extra: dict | None = None)
             # Notice a cancelled flow run in seconds even when the event stream is quiet, so
             # that training ranks stop holding GPUs soon after the user cancels.
             "PREFECT_WORKER_CANCELLATION_POLL_SECONDS": "2",
+            # Prefect's default 10 s between polls is up to 10 s of waiting on every
+            # `prefect deployment run`; polling a server on the same machine costs nothing.
+            "PREFECT_WORKER_QUERY_SECONDS": os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "2"),
             # A scheduled run that starts while MLflow restarts waits for it (tasks/preflight.py).
             "TRAINFLOW_MLFLOW_WAIT_S": "60", **(extra or {})}
 

@@ -5,7 +5,7 @@ A champion's own test figure was measured on its own test split; when data grows
 changes, and comparing a challenger with it compares two different exams (measured: v1 scored
 0.575 on its test split and 0.309 on v2's). So, before each decision, the current champion
 scores the challenger's test images through predict-flow's path (`score_files`, the served
-model under `accelerate launch`). Its predictions are cached per (champion version, test set):
+model under `accelerate launch`, or in one process for a few images). Its predictions are cached per (champion version, test set):
 a run whose test split did not change scores nothing again.
 
 Reading the champion, scoring, deciding and moving the alias happen under one Prefect global
@@ -29,6 +29,11 @@ from tasks.score import score_files
 from training.data.split import read_manifest
 from training.handoff import TrainResult
 from training.storage import home, tracking_uri
+
+# Below this many test images the champion scores them in one plain process: measured on 2
+# CPU cores, `accelerate launch` with two ranks took 24.6 s to score 179 digits, nearly all of
+# it the launcher's and the ranks' start-up, which sharing so few images out cannot repay.
+ONE_PROCESS_BELOW = 2000
 
 
 class SameImages(BaseModel):
@@ -105,9 +110,11 @@ def score_champion(champion, trained: TrainResult, logger) -> SameImages:
             tracking_uri=tracking_uri())
         root = trained.job.split.root
         scored = score_files(Path(model_dir), [root / p for p, _ in rows], root, folder,
-                             trained.job.training, logger)
-        logger.info("champion v%s scored the challenger's %d test images in %.1f s",
-                    champion.version, scored.images, scored.seconds)
+                             trained.job.training, logger,
+                             one_process=len(rows) < ONE_PROCESS_BELOW)
+        logger.info("champion v%s scored the challenger's %d test images in %.1f s "
+                    "(%d process%s)", champion.version, scored.images, scored.seconds,
+                    scored.world_size, "" if scored.world_size == 1 else "es")
     with open(predictions, newline="") as f:
         predicted = {r["path"]: r for r in csv.DictReader(f)}
     return SameImages(version=str(champion.version), images=len(rows), cached=cached,

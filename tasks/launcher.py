@@ -248,15 +248,19 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
 
 def launch(spec: TrainingSpec, module: str, args: list[str], output_dir: Path,
            logger: logging.Logger | logging.LoggerAdapter, on_event: Callable[[Event], None],
-           extra_env: dict[str, str] | None = None) -> list[Event]:
+           extra_env: dict[str, str] | None = None, one_process: bool = False) -> list[Event]:
     """`accelerate launch -m module args` for `spec`, watched; returns every rank's events.
+
+    `one_process` runs `python -m module args` instead, for jobs too small to repay the
+    launcher's and a second rank's start-up; Accelerator() then sees a world of one.
 
     A free port is chosen just before the launch, so another launch can take it first: then
     (and only for a port we chose) the launch is repeated on a new port.
     """
     for attempt in range(1, PORT_ATTEMPTS + 1):
         env = launch_env(extra_env)
-        command = launch_command(spec, module, args, port=free_port(), env=env)
+        command = ([sys.executable, "-m", module, *args] if one_process
+                   else launch_command(spec, module, args, port=free_port(), env=env))
         logger.info("launching: %s", " ".join(command))
         watch = LaunchWatch(on_line=lambda line: logger.info("%s", line), on_event=on_event,
                             hang_timeout_s=spec.hang_timeout_s, timeout_s=spec.timeout_s)
