@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torchvision.transforms import v2
 
 from training.data.split import read_manifest
 from training.data.store import DecodeStore, decode_into_stores
@@ -70,6 +69,10 @@ class CachedImages(Dataset):
         self.images, self.labels = images, images.labels
         augment = {True: "crop_flip", False: "none"}.get(augment, augment)
         steps = []
+        if augment != "none":
+            # Imported only here: torchvision's import brings torch._dynamo (about 4.5 s a
+            # rank on 2 cores), which a run without augmentation never needs.
+            from torchvision.transforms import v2
         if augment in ("crop", "crop_flip"):
             # Mild: heavy crops (down to 8% as in ImageNet, or 50%) cost short trainings accuracy.
             steps.append(v2.RandomResizedCrop(image_size, scale=CROP_SCALE, antialias=True))
