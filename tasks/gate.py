@@ -5,8 +5,9 @@ A champion's own test figure was measured on its own test split; when data grows
 changes, and comparing a challenger with it compares two different exams (measured: v1 scored
 0.575 on its test split and 0.309 on v2's). So, before each decision, the current champion
 scores the challenger's test images through predict-flow's path (`score_files`, the served
-model under `accelerate launch`, or in one process for a few images). Its predictions are cached per (champion version, test set):
-a run whose test split did not change scores nothing again.
+model under `accelerate launch`, or in one process for a few images). Its predictions are
+cached per (champion version, test set): a run whose test split did not change scores nothing
+again.
 
 Reading the champion, scoring, deciding and moving the alias happen under one Prefect global
 concurrency limit per model name, so that two runs finishing together are judged one after the
