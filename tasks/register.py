@@ -334,29 +334,48 @@ class Approval(RunInput):
     comment: str = Field("", description="Why; recorded on the version.")
 
 
+# The server fails a pause whose own timeout has passed, racing our "no answer" ending; its
+# timeout outlives our wait by this much, so only a flow process that died leaves it to the server.
+SERVER_PAUSE_GRACE_S = 600
+
+
 def ask_for_approval(registration: Registration, timeout_s: int) -> Approval | None:
     """Pause the flow run until a person answers in the Prefect UI (None: no answer in time).
 
-    Called from the flow itself: only a flow run can be paused, not a task.
+    Called from the flow itself: only a flow run can be paused, not a task. This is Prefect's
+    `pause_flow_run(wait_for_input=...)`, except that we end the wait ourselves: with one timeout
+    for both, the server's pause expiry can fail the run just as we resume it to record "no answer".
     """
     from prefect.client.orchestration import get_client
-    from prefect.exceptions import FlowPauseTimeout
-    from prefect.flow_runs import pause_flow_run
+    from prefect.input.actions import read_flow_run_input
+    from prefect.input.run_input import keyset_from_paused_state
     from prefect.runtime import flow_run
-    from prefect.states import Running
+    from prefect.states import Paused, Running
 
     run_logger().info("%s v%s passed the gate; waiting up to %d s for a person to approve or "
                       "reject it (Prefect UI: this flow run, Resume)", registration.model_name,
                       registration.version, timeout_s)
-    try:
-        return pause_flow_run(wait_for_input=Approval, timeout=timeout_s,
-                              poll_interval=min(10, max(1, timeout_s // 4)),
-                              key=f"approve-v{registration.version}")
-    except FlowPauseTimeout:
-        # The server still shows the run paused; it goes on to record that nobody answered.
-        with get_client(sync_client=True) as client:
-            client.set_flow_run_state(flow_run.get_id(), Running(), force=True)
-        return None
+    run_id = flow_run.get_id()
+    paused = Paused(timeout_seconds=timeout_s + SERVER_PAUSE_GRACE_S, reschedule=False,
+                    pause_key=f"approve-v{registration.version}")
+    keyset = keyset_from_paused_state(paused)
+    paused.state_details.run_input_keyset = keyset
+    with get_client(sync_client=True) as client:
+        result = client.set_flow_run_state(run_id, paused)
+        if not (result.state and result.state.is_paused()):
+            raise RuntimeError(f"Prefect refused to pause the run for approval: {result.details}")
+        Approval.save(keyset)  # the form the UI shows
+        deadline, poll_s = time.monotonic() + timeout_s, min(10, max(1, timeout_s // 4))
+        while True:
+            state = client.read_flow_run(run_id).state
+            if state is not None and state.is_running():
+                return Approval.load(keyset)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(poll_s)
+        client.set_flow_run_state(run_id, Running(), force=True)
+    late = read_flow_run_input(keyset["response"])  # an answer given as the wait ended
+    return Approval(**late) if late else None
 
 
 @task
