@@ -47,6 +47,7 @@ def check_mlflow() -> None:
     deadline = time.monotonic() + float(os.environ.get("TRAINFLOW_MLFLOW_WAIT_S", "0"))
     while True:
         try:
+            connect_once(uri)
             client = MlflowClient(uri)  # a database store connects here already
             experiment = client.get_experiment(experiment_id(client))
             break
@@ -68,6 +69,22 @@ def check_mlflow() -> None:
                              deadline - time.monotonic())
         time.sleep(3)
     check_artifact_store(uri, experiment.artifact_location)
+
+
+def connect_once(uri: str) -> None:
+    """One connection to a database tracking store, so a refused password or a stopped
+    database is named now: MlflowClient retries ten times over about 100 s before it says."""
+    if "://" not in uri or uri.split("://", 1)[0].split("+")[0] not in (
+            "postgresql", "mysql", "mssql"):
+        return
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(uri, poolclass=sqlalchemy.pool.NullPool)
+    try:
+        with engine.connect():
+            pass
+    finally:
+        engine.dispose()
 
 
 def _unreachable(uri: str, e: Exception) -> str:

@@ -14,7 +14,6 @@ from tasks.evaluate import evaluate_model
 from tasks.lineage import DATASET_FINGERPRINT, FLOW_RUN_ID, MANIFEST_SHA256, metric_tag
 from tasks.register import CHAMPION_VALUE, COMPARED_WITH, PROMOTION, register_model
 from tasks.train import run_training
-from tests.servers import mlflow_server
 from training.config import RegistrySpec
 from training.data.split import read_manifest
 from training.handoff import TrainJob
@@ -115,12 +114,6 @@ def test_gate_on_a_sqlite_store(models, tmp_path, monkeypatch):
     assert [(path, label) for path, label, _ in lines] == [
         (f, expected[p]) for f, (p, _, _) in zip(files, rows, strict=True)]
     assert all(0 < float(prob) <= 1 for _, _, prob in lines)
-
-
-def test_gate_on_a_started_mlflow_server(models, tmp_path, monkeypatch):
-    with mlflow_server(tmp_path / "server") as url:
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
-        _gate_story(models, MlflowClient(url))
 
 
 def _sqlite_client(tmp_path, monkeypatch) -> MlflowClient:
