@@ -146,12 +146,16 @@ def loader_table(splits, home: Path, epochs: int) -> list[str]:
                         f"epochs 2+ {o2 / b2:.1f}x"]
 
 
+# The training table's cases: (dataset, training fields).
+SETTINGS = {"jpeg 64px resnet18": ("jpeg", {"model": "resnet18", "image_size": 64, "batch_size": 32}),
+            "digits 28px basicnet": ("digits", {"model": "basicnet", "image_size": 28,
+                                                "batch_size": 64})}
+
+
 def throughput_table(splits, home: Path, pairs: int, epochs: int,
-                     processes: tuple[int, ...] = (1, 2)) -> list[str]:
-    settings = {"jpeg 64px resnet18": ("jpeg", {"model": "resnet18", "image_size": 64,
-                                                "batch_size": 32}),
-                "digits 28px basicnet": ("digits", {"model": "basicnet", "image_size": 28,
-                                                    "batch_size": 64})}
+                     processes: tuple[int, ...] = (1, 2),
+                     data_names: tuple[str, ...] = ("jpeg", "digits")) -> list[str]:
+    settings = {name: setting for name, setting in SETTINGS.items() if setting[0] in data_names}
     lines = ["| setting | procs | impl | epoch 1 img/s | epochs 2+ img/s | epochs 2+ s/epoch "
              "| start-up s | peak RSS/rank MB | peak RSS total MB |", "|---|---|---|---|---|---|---|---|---|"]
     ratios = []
@@ -243,6 +247,9 @@ def main() -> None:
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2],
                         help="process counts of the training table (default: 1 2)")
+    parser.add_argument("--datasets", nargs="+", choices=["jpeg", "digits"],
+                        default=["jpeg", "digits"],
+                        help="the training table's datasets (default: both)")
     args = parser.parse_args()
     logging.disable(logging.INFO)
     home = Path(tempfile.mkdtemp(prefix="trainflow-bench-"))
@@ -255,7 +262,7 @@ def main() -> None:
         if not args.skip_throughput:
             lines += loader_table(splits, home, args.epochs) + [""]
             lines += throughput_table(splits, home, args.pairs, args.epochs,
-                                      tuple(args.processes))
+                                      tuple(args.processes), tuple(args.datasets))
         if not args.skip_flow:
             lines += [""] + flow_overhead(splits, home, args.pairs)
         lines += ["", f"bench wall time: {time.time() - started:.0f} s"]
