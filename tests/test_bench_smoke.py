@@ -6,6 +6,7 @@ import sys
 import pytest
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_bench_runs_on_a_tiny_setting():
     done = subprocess.run(

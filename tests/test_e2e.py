@@ -555,6 +555,7 @@ def test_the_prefect_server_restarted_during_training_does_not_stop_the_run(stac
     assert [v.tags[FLOW_RUN_ID] for v in versions] == [flow_run_id]
 
 
+@pytest.mark.extended
 def test_a_killed_worker_crashes_its_run_takes_the_ranks_and_the_next_run_is_clean(stack):
     flow_run_id, ranks = slow_training(stack, "worker-kill", epochs=30)
     kill_service(stack, "worker")

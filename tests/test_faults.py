@@ -103,6 +103,7 @@ def test_mlflow_going_down_mid_training_keeps_the_weights(digits_split, tmp_path
     assert load_file(result.weights)  # the trained weights are on disk and readable
 
 
+@pytest.mark.extended
 def test_mlflow_restarted_during_training_gets_every_epoch(digits_split, tmp_path, monkeypatch):
     """The server is killed during epoch 2 and started again 20 s later on the same store: the
     training goes on, and the epochs logged while it was down arrive once it is back."""

@@ -172,6 +172,7 @@ def test_more_machines_than_workers_is_refused_before_any_work(on_hosts):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.extended
 def test_a_taken_port_on_machine_0_fails_in_seconds_with_its_reason(on_hosts):
     from flows.train_flow import train_flow
 
@@ -205,6 +206,7 @@ def test_machine_0_that_is_not_there_is_named(on_hosts):
         wait_reachable(hosts.gateway, s.getsockname()[1], timeout_s=5)
 
 
+@pytest.mark.extended
 def test_cancelling_the_flow_run_stops_every_node_on_every_host(on_hosts, flow_worker):
     from prefect import get_client
     from prefect.deployments import run_deployment

@@ -45,6 +45,7 @@ def test_a_resumed_run_continues_the_same_learning_rate_curve(digits_split, tmp_
     assert _lrs(resumed) == pytest.approx(curve, rel=1e-9)
 
 
+@pytest.mark.extended
 def test_a_resume_on_another_world_size_continues_the_same_curve(digits_split, tmp_path):
     """2 processes killed in epoch 3, resumed with 1 (a GPU gone): each epoch's learning rate is
     the uninterrupted 2-process run's, at the same number of samples seen."""

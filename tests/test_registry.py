@@ -267,6 +267,7 @@ def _gate_files(version: str) -> list[Path]:
     return sorted((home() / "gate" / key).rglob("predictions.csv"))
 
 
+@pytest.mark.extended
 def test_a_champion_set_by_hand_holds_until_beaten(models, tmp_path, monkeypatch):
     """Roll back with `trainflow champion`: the next, weaker challenger leaves it in place."""
     import os
@@ -292,6 +293,7 @@ def test_a_champion_set_by_hand_holds_until_beaten(models, tmp_path, monkeypatch
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
 
 
+@pytest.mark.extended
 def test_decisions_released_together_each_face_the_real_champion(models, tmp_path, monkeypatch):
     """Two registrations of one model at the same instant, four times: replaying the decisions
     in the order they were made, each names the champion that was current then."""

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.extended]
 
 
 def test_a_short_soak_with_a_killed_rank_and_a_restarted_mlflow_server_leaves_nothing_behind():

@@ -111,6 +111,7 @@ def test_a_sweep_prunes_nests_its_runs_and_registers_the_best(prefect_engine, tm
     assert version.tags[FLOW_RUN_ID] == parent.data.tags[FLOW_RUN_ID]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_killed_sweep_resumes_without_redoing_finished_trials(tmp_path):
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"

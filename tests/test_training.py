@@ -80,6 +80,7 @@ def test_two_process_ddp_counts_each_val_image_once(digits_split, tmp_path):
     assert [h.val_images for h in single.history] == [val_size, val_size]
 
 
+@pytest.mark.extended
 def test_a_decode_longer_than_the_collective_timeout_does_not_fail_the_run(digits_split,
                                                                           tmp_path):
     """The ranks decode before their first collective: one decodes under the store's lock while
