@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from tasks.data import prepare_dataset, split_dataset
 from tasks.evaluate import Evaluation, evaluate_model
+from tasks.gate import score_champion_early
 from tasks.infrastructure import end_with_worker
 from tasks.lineage import FLOW_RUN_URL, find_unchanged_champion, lineage_tags
 from tasks.parameters import BLOCKS, resolve_parameters
@@ -64,10 +65,13 @@ def train_flow(
     if not force and (version := find_unchanged_champion(registry.model_name, lineage)):
         return FlowResult(skipped=f"champion v{version} already trained on this data and spec")
     run_id = open_mlflow_run(lineage, data)
+    # The champion is scored on this run's test images while the challenger trains.
+    champion_scored = score_champion_early.submit(data, training, registry)
     with failing_with_the_flow(run_id):
         run_dir = home() / "runs" / str(flow_run.get_id())
         trained = train_model(data, training, run_dir / "train", run_id, tracking_uri())
         evaluation = evaluate_model(trained, run_id)
+        champion_scored.wait()  # the gate finds its predictions in its cache
         registration = register_model(trained, evaluation, registry, run_id, lineage)
         if registration.awaiting_approval:
             answer = ask_for_approval(registration, registry.approval_timeout_s)

@@ -18,17 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import fcntl
 import hashlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import mlflow
+from mlflow import MlflowClient
+from prefect import task
 from pydantic import BaseModel
 
+from tasks import run_logger
+from tasks.lineage import champion_version
 from tasks.score import score_files
+from training.config import RegistrySpec, TrainingSpec
 from training.data.split import read_manifest
-from training.handoff import TrainResult
+from training.handoff import SplitResult
 from training.storage import home, tracking_uri
 
 # Below this many test images the champion scores them in one plain process: measured on 2
@@ -78,10 +84,9 @@ def one_decision_at_a_time(model_name: str) -> Iterator[None]:
         yield
 
 
-def test_rows(trained: TrainResult) -> list[tuple[str, str]]:
+def test_rows(split: SplitResult) -> list[tuple[str, str]]:
     """(path, label) of every test image, in manifest order."""
-    return [(p, label) for p, label, split in read_manifest(trained.job.split.manifest)
-            if split == "test"]
+    return [(p, label) for p, label, side in read_manifest(split.manifest) if side == "test"]
 
 
 def test_set_key(rows: list[tuple[str, str]]) -> str:
@@ -94,32 +99,71 @@ def champion_class_names(model_name: str, version: str) -> list[str] | None:
     return metadata.get("class_names")
 
 
-def score_champion(champion, trained: TrainResult, logger) -> SameImages:
-    """The champion's predictions on the challenger's test images, scored once per test set."""
-    rows = test_rows(trained)
+def score_champion(champion, split: SplitResult, training: TrainingSpec, logger,
+                   same_classes_only: bool = False) -> SameImages | None:
+    """The champion's predictions on the challenger's test images, scored once per test set.
+
+    `same_classes_only`: None, and nothing scored, when the champion predicts other classes
+    than the split's (the gate does not compare those)."""
+    rows = test_rows(split)
     key = hashlib.sha256(f"{tracking_uri()}|{champion.name}|{champion.version}|"
                          f"{champion.run_id}".encode()).hexdigest()[:16]
     folder = home() / "gate" / key / test_set_key(rows)
     predictions = folder / "predictions.csv"
-    cached = predictions.exists()
-    if cached:
-        logger.info("champion v%s's predictions on these %d test images are cached",
-                    champion.version, len(rows))
-    else:
-        model_dir = mlflow.artifacts.download_artifacts(
-            f"models:/{champion.name}/{champion.version}", dst_path=str(folder / "model"),
-            tracking_uri=tracking_uri())
-        root = trained.job.split.root
-        scored = score_files(Path(model_dir), [root / p for p, _ in rows], root, folder,
-                             trained.job.training, logger,
-                             one_process=len(rows) < ONE_PROCESS_BELOW)
-        logger.info("champion v%s scored the challenger's %d test images in %.1f s "
-                    "(%d process%s)", champion.version, scored.images, scored.seconds,
-                    scored.world_size, "" if scored.world_size == 1 else "es")
+    folder.mkdir(parents=True, exist_ok=True)
+    # One scoring per folder at a time: the early scoring and the gate, or two runs on the
+    # same data, then find the other's predictions instead of downloading over them.
+    with open(folder / "lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = predictions.exists()
+        if cached:
+            logger.info("champion v%s's predictions on these %d test images are cached",
+                        champion.version, len(rows))
+        else:
+            model_dir = mlflow.artifacts.download_artifacts(
+                f"models:/{champion.name}/{champion.version}", dst_path=str(folder / "model"),
+                tracking_uri=tracking_uri())
+            described = mlflow.models.Model.load(model_dir).metadata or {}
+            if same_classes_only and described.get("class_names") != split.class_names:
+                return None
+            scored = score_files(Path(model_dir), [split.root / p for p, _ in rows], split.root,
+                                 folder, training, logger,
+                                 one_process=len(rows) < ONE_PROCESS_BELOW)
+            logger.info("champion v%s scored the challenger's %d test images in %.1f s "
+                        "(%d process%s)", champion.version, scored.images, scored.seconds,
+                        scored.world_size, "" if scored.world_size == 1 else "es")
     with open(predictions, newline="") as f:
         predicted = {r["path"]: r for r in csv.DictReader(f)}
     return SameImages(version=str(champion.version), images=len(rows), cached=cached,
-                      **figures(rows, predicted, trained.class_names))
+                      **figures(rows, predicted, split.class_names))
+
+
+@task
+def score_champion_early(split: SplitResult, training: TrainingSpec, registry: RegistrySpec
+                         ) -> str | None:
+    """The current champion scored on this run's test images while the challenger trains, into
+    the gate's cache, so that the gate after training finds its predictions ready.
+
+    Only a one-process scoring (a few test images) starts early: under `accelerate launch` it
+    would take every GPU from the training. The gate still decides against whichever version is
+    champion when it decides, and scores that one if it is another. Returns the version scored.
+    """
+    logger = run_logger()
+    rows = test_rows(split)
+    if not registry.promote or len(rows) >= ONE_PROCESS_BELOW:
+        return None
+    # Explicit tracking URIs only, never MLflow's fluent state: the training in this process's
+    # main thread sets and resets that meanwhile.
+    try:
+        champion = champion_version(MlflowClient(tracking_uri()), registry.model_name)
+        if champion is None or score_champion(champion, split, training, logger,
+                                              same_classes_only=True) is None:
+            return None
+    except Exception as e:  # the gate scores it itself, and says why if it cannot
+        logger.warning("the champion could not be scored while training (%s: %s); the gate "
+                       "will score it after training", type(e).__name__, str(e)[:300])
+        return None
+    return str(champion.version)
 
 
 def figures(rows: list[tuple[str, str]], predicted: dict[str, dict], class_names: list[str]

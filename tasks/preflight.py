@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import time
@@ -140,8 +141,19 @@ class Gpu:
     bf16: bool
 
 
+# The device files of a GPU driver CUDA (or ROCm, through torch.cuda) could use. Without any,
+# no GPU can be visible, and preflight need not import torch (3 s of a flow's fixed cost here).
+GPU_DEVICE_FILES = ("/dev/nvidia*", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_driver_present() -> bool:
+    return any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)
+
+
 def local_gpus() -> list[Gpu]:
     """The GPUs the ranks on this machine would use, as CUDA sees them."""
+    if not gpu_driver_present():
+        return []
     import torch
 
     if not torch.cuda.is_available():

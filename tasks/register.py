@@ -229,7 +229,8 @@ def judge(trained: TrainResult, evaluation: Evaluation, registry: RegistrySpec, 
                                 f"{theirs}, this data has {trained.class_names}: not compared, "
                                 "so not promoted automatically; make it champion by hand with "
                                 f"`trainflow champion {registry.model_name} {version}`")
-    same = score_champion(champion, trained, logger) if champion and registry.promote else None
+    same = (score_champion(champion, trained.job.split, trained.job.training, logger)
+            if champion and registry.promote else None)
     p_value = None
     if same is not None and registry.significance is not None:
         p_value = mcnemar_p_value(correctness(evaluation.predictions), same.correct)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,11 +19,12 @@ from tasks.tracking import fluent_mlflow
 from training.config import TrainingSpec
 from training.engine.events import (
     EpochEnded,
-    Evaluated,
     Event,
     Params,
+    Predicted,
     Resumed,
     Started,
+    TestMetrics,
     Trained,
     last_from_rank_0,
 )
@@ -64,6 +66,7 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         elif isinstance(event, Resumed) and main:
             logger.info("resumed from %s (epoch %s done)", event.checkpoint, event.epoch)
 
+    warm_imports()
     try:
         with system_metrics(mlflow_run_id, tracking_uri, logger):
             if job.training.num_machines > 1:
@@ -81,7 +84,13 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
     result = last_from_rank_0(events, Trained)
     if result is None:
         raise RuntimeError("training exited cleanly but rank 0 reported no result")
-    evaluated = last_from_rank_0(events, Evaluated)
+    predicted = last_from_rank_0(events, Predicted)
+    test_metrics = None
+    if predicted is not None:
+        from training.evaluate import summarize, write_results
+
+        test_metrics = TestMetrics.model_validate(
+            summarize(write_results(job, Path(predicted.out))))
     return TrainResult(
         job=job,
         preprocessing=Preprocessing.model_validate(result.preprocessing),
@@ -91,9 +100,27 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         history=result.history,
         world_size=result.world_size,
         mlflow_unsent=unsent,
-        test_metrics=evaluated.metrics if evaluated else None,
-        test_dir=Path(evaluated.out) if evaluated else None,
+        test_metrics=test_metrics,
+        test_dir=Path(predicted.out) if predicted else None,
     )
+
+
+def warm_imports() -> None:
+    """Import, in a background thread, what this process needs once the ranks are done: the
+    metrics, pictures and gate (scikit-learn, SciPy, matplotlib) and the model check (torch).
+    The launcher's own start-up leaves a core idle for seconds; imported afterwards they
+    would wait on the critical path (about 7 s on 2 cores)."""
+    def load() -> None:
+        import importlib
+
+        from training.evaluation.plots import pyplot
+
+        with contextlib.suppress(Exception):  # an import that fails here fails where it is used
+            for name in ("torch", "safetensors.torch", "sklearn.metrics", "scipy.stats"):
+                importlib.import_module(name)
+            pyplot()
+
+    threading.Thread(target=load, name="warm-imports", daemon=True).start()
 
 
 def evaluation_dir(job: TrainJob) -> Path:

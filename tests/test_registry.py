@@ -11,6 +11,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tasks.evaluate import evaluate_model
+from tasks.gate import score_champion_early
 from tasks.lineage import DATASET_FINGERPRINT, FLOW_RUN_ID, MANIFEST_SHA256, metric_tag
 from tasks.register import CHAMPION_VALUE, COMPARED_WITH, PROMOTION, register_model
 from tasks.train import run_training
@@ -235,7 +236,12 @@ def test_the_champion_is_scored_on_the_challengers_test_images(models, digits_sp
 
     # Never promoted (min_improvement 1), so every registration below faces v1.
     never = RegistrySpec(model_name=NAME, min_improvement=1.0)
+    # train-flow scores the champion while the challenger trains; the gate then reuses that.
+    assert score_champion_early.fn(other, job.training, never) == first.version
+    [scored] = _gate_files(first.version)
+    before = scored.stat().st_mtime_ns
     evaluation, second = _register_result(client, challenger, "flow-other-split", never)
+    assert scored.stat().st_mtime_ns == before
     tests = [(p, label) for p, label, s in read_manifest(other.manifest) if s == "test"]
     theirs = {p for p, _, s in read_manifest(models[0].manifest) if s == "test"}
     assert {p for p, _ in tests} != theirs  # a different exam
@@ -249,8 +255,6 @@ def test_the_champion_is_scored_on_the_challengers_test_images(models, digits_sp
         client.get_model_version(NAME, second.version).description)
 
     # The same champion and test set: its predictions are not scored again.
-    [scored] = _gate_files(first.version)
-    before = scored.stat().st_mtime_ns
     _, third = _register_result(client, challenger, "flow-other-split-again", never)
     assert third.champion_value == second.champion_value
     assert _gate_files(first.version) == [scored] and scored.stat().st_mtime_ns == before

@@ -112,8 +112,8 @@ class TrainResult(BaseModel):
     world_size: int
     mlflow_unsent: int = 0
     test_metrics: TestMetrics | None = None
-    """Set when the launch also evaluated the best weights on the test split (its ranks were
-    up already); the files are in `test_dir`."""
+    """Set when the launch also predicted the test split with the best weights (its ranks were
+    up already) and the launching process computed the metrics; the files are in `test_dir`."""
     test_dir: Path | None = None
 
     @property

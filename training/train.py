@@ -42,9 +42,9 @@ from training.engine.events import (
     EarlyStopped,
     EpochEnded,
     EpochMetrics,
-    Evaluated,
     Heartbeat,
     Params,
+    Predicted,
     Preempted,
     Resumed,
     Trained,
@@ -248,8 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint, if any")
     parser.add_argument("--evaluate-into", type=Path, metavar="DIR",
-                        help="then evaluate the best weights on the test split into DIR "
-                        "(training.evaluate's files), in the same processes")
+                        help="then predict the test split with the best weights into DIR "
+                        "(logits.safetensors, predictions.csv), in the same processes; "
+                        "training.evaluate.write_results makes the metrics and pictures")
     parser.add_argument("--log-with", choices=["mlflow"],
                         help="log from the main process through Accelerate's tracker (the run "
                         "named by MLFLOW_RUN_ID, else a new one); train-flow does not need it")
@@ -266,13 +267,13 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(0) from None
         if args.evaluate_into:
             # A second launch would start interpreters, torch and the process group again.
-            from training.evaluate import evaluate, summarize
+            from training.evaluate import predict_into
 
-            metrics = evaluate(job, Path(result["weights"]), args.evaluate_into, accelerator,
-                               rank, progress)
+            images = predict_into(job, Path(result["weights"]), args.evaluate_into,
+                                  accelerator, rank, progress)
             accelerator.wait_for_everyone()
-            if metrics is not None:
-                progress.emit(Evaluated, metrics=summarize(metrics), world_size=rank.world,
+            if images is not None:
+                progress.emit(Predicted, images=images, world_size=rank.world,
                               out=str(args.evaluate_into))
     accelerator.end_training()  # trackers, and the process group: after the evaluation
 

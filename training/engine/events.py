@@ -156,6 +156,17 @@ class Evaluated(Event):
     out: str
 
 
+class Predicted(Event):
+    """The best weights' test-split logits and predictions.csv are in `out`
+    (training.evaluate.predict_into); the metrics are computed from them by the reader
+    (training.evaluate.write_results)."""
+
+    event: Literal["predicted"] = "predicted"
+    images: int
+    world_size: int
+    out: str
+
+
 class ScoringFinished(Event):
     """Batch scoring finished; `scored` is None on ranks that wrote no predictions."""
 
@@ -173,7 +184,8 @@ class Failed(Event):
 
 
 AnyEvent = Annotated[Started | Heartbeat | Params | EpochEnded | Preempted | Resumed | EarlyStopped
-                     | Trained | Evaluated | ScoringFinished | Failed, Field(discriminator="event")]
+                     | Trained | Evaluated | Predicted | ScoringFinished
+                     | Failed, Field(discriminator="event")]
 _READ = TypeAdapter(AnyEvent)
 
 

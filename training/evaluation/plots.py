@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def _pyplot():
+def pyplot():
     """matplotlib on its file-only backend, imported when a picture is drawn: importing the
     flow (which draws the curves) must not pay for it, nor for torch."""
     import matplotlib
@@ -26,7 +26,7 @@ def _pyplot():
 
 
 def training_curves_png(history: list[EpochMetrics], path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     epochs = [h.epoch for h in history]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in ((ax_loss, "loss"), (ax_acc, "accuracy")):
@@ -42,7 +42,7 @@ def training_curves_png(history: list[EpochMetrics], path: Path) -> Path:
 
 
 def confusion_matrix_png(matrix: list[list[int]], class_names: list[str], path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     size = max(4, 0.5 * len(class_names) + 2)
     fig, ax = plt.subplots(figsize=(size, size))
     ax.imshow(matrix, cmap="Blues")
@@ -66,7 +66,7 @@ def worst_predictions_png(root: Path, paths: list[str], labels: torch.Tensor,
     """The misclassified test images the model was most confident about, four to a row."""
     import torch
 
-    plt = _pyplot()
+    plt = pyplot()
     probs = torch.softmax(logits, 1)
     confidence, predicted = probs.max(1)
     wrong = (predicted != labels).nonzero().flatten().tolist()
