@@ -120,9 +120,13 @@ def score_champion(champion, split: SplitResult, training: TrainingSpec, logger,
             logger.info("champion v%s's predictions on these %d test images are cached",
                         champion.version, len(rows))
         else:
+            # Resolved here, not through a models:/ URI: MLflow resolves those with its global
+            # registry URI, which the training thread sets and resets meanwhile.
+            uri = tracking_uri()
             model_dir = mlflow.artifacts.download_artifacts(
-                f"models:/{champion.name}/{champion.version}", dst_path=str(folder / "model"),
-                tracking_uri=tracking_uri())
+                artifact_uri=MlflowClient(uri).get_model_version_download_uri(
+                    champion.name, champion.version),
+                dst_path=str(folder / "model"), tracking_uri=uri)
             described = mlflow.models.Model.load(model_dir).metadata or {}
             if same_classes_only and described.get("class_names") != split.class_names:
                 return None

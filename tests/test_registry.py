@@ -237,7 +237,14 @@ def test_the_champion_is_scored_on_the_challengers_test_images(models, digits_sp
     # Never promoted (min_improvement 1), so every registration below faces v1.
     never = RegistrySpec(model_name=NAME, min_improvement=1.0)
     # train-flow scores the champion while the challenger trains; the gate then reuses that.
+    # The store is the home's default, as on a hand-started run: no MLFLOW_TRACKING_URI, and
+    # MLflow's own global URI elsewhere (the training thread sets and resets it meanwhile).
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.setenv("TRAINFLOW_HOME", str(tmp_path))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # MLflow's default store is ./mlflow.db
     assert score_champion_early.fn(other, job.training, never) == first.version
+    monkeypatch.chdir(tmp_path)
     [scored] = _gate_files(first.version)
     before = scored.stat().st_mtime_ns
     evaluation, second = _register_result(client, challenger, "flow-other-split", never)
