@@ -66,12 +66,19 @@ def flow_worker(hosts, tmp_path_factory):
 @pytest.fixture
 def on_hosts(hosts, monkeypatch):
     """This test's flow talks to the hosts' Prefect server and shares their home folder."""
+    from prefect.events.worker import EventsWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     monkeypatch.setenv("TRAINFLOW_HOME", hosts.env["TRAINFLOW_HOME"])
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    # Prefect's events worker is one per process, bound to the first server it meets: one made
+    # for the hosts' server would send later tests' events to it once it is gone (70 s each).
+    EventsWorker.drain_all(timeout=60)
     with temporary_settings({PREFECT_API_URL: hosts.api}):
-        yield hosts
+        try:
+            yield hosts
+        finally:
+            EventsWorker.drain_all(timeout=60)
 
 
 def _node_runs(hosts):
