@@ -84,7 +84,7 @@ def predict_split(job: TrainJob, weights: Path, accelerator: Accelerator, progre
 def evaluate(job: TrainJob, weights: Path, out: Path, accelerator: Accelerator, rank: Rank,
              progress: ProgressWriter) -> dict | None:
     """Write metrics.json, predictions.csv and the pictures into `out` (main process only)."""
-    if not predict_into(job, weights, out, accelerator, rank, progress):
+    if predict_into(job, weights, out, accelerator, rank, progress) is None:  # not main
         return None
     return write_results(job, out)
 
