@@ -240,6 +240,7 @@ def test_the_champion_is_scored_on_the_challengers_test_images(models, digits_sp
     # The store is the home's default, as on a hand-started run: no MLFLOW_TRACKING_URI, and
     # MLflow's own global URI elsewhere (the training thread sets and resets it meanwhile).
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(None)  # as the training thread's fluent_mlflow leaves it
     monkeypatch.setenv("TRAINFLOW_HOME", str(tmp_path))
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")  # MLflow's default store is ./mlflow.db
