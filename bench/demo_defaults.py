@@ -36,6 +36,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=TrainingSpec().seed,
+                        help="default: the training default's, the seed `make demo` trains with")
     parser.add_argument("--candidates", default=json.dumps(CANDIDATES),
                         help="JSON object: name -> training fields over the defaults")
     args = parser.parse_args()
@@ -47,7 +49,7 @@ def main() -> None:
         split = split_dataset(prepare(DatasetSpec(source="builtin:digits"), home), SplitSpec(),
                               home)
         scores: dict[str, list[float]] = {name: [] for name in candidates}
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for name, fields in candidates.items():  # alternated within each seed
                 training = TrainingSpec(**{"epochs": args.epochs, "seed": seed, **fields})
                 out = home / f"{len(scores[name])}-{seed}-{abs(hash(name))}"

@@ -141,6 +141,12 @@ def fail_interrupted(study: optuna.Study) -> int:
     return len(stale)
 
 
+def trial_spec(base: TrainingSpec, params: dict, launch: dict) -> TrainingSpec:
+    """A trial's spec: the sweep's, with the trial's values and its launch's place. Only the
+    fields the sweep set are carried, so a default that follows another field (lr follows
+    model) follows the trial's value of it."""
+    return TrainingSpec(**{**base.model_dump(exclude_unset=True), **params, **launch})
+
 @task
 def run_trials(data: SplitResult, base: TrainingSpec, sweep: SweepSpec, source: str,
                parent_run_id: str, storage: str | None = None) -> SweepSummary:
@@ -175,7 +181,7 @@ def run_trials(data: SplitResult, base: TrainingSpec, sweep: SweepSpec, source: 
         params = {field: suggest(trial, field, dist) for field, dist in sweep.search_space.items()}
         env, launch = slots.get()
         try:
-            spec = TrainingSpec(**{**base.model_dump(), **params, **launch})
+            spec = trial_spec(base, params, launch)
             pruned = None
             # Nested under the sweep's run; ended FINISHED on a result (pruning is one), FAILED
             # when the trial raised.

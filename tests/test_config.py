@@ -12,10 +12,13 @@ from training.config import (
     PER_MACHINE,
     SEARCHABLE,
     DatasetSpec,
+    InvalidParameters,
     RegistrySpec,
     Role,
     SplitSpec,
     TrainingSpec,
+    merge_blocks,
+    validate_blocks,
 )
 from training.handoff import JobFileError, SplitResult, TrainJob
 
@@ -28,6 +31,21 @@ def test_defaults_need_only_the_source():
     assert (training.model, training.pretrained, training.mixed_precision) == (
         "basicnet", False, "no")
     assert RegistrySpec().metric == "accuracy"
+
+
+def test_the_default_learning_rate_follows_the_model_until_one_is_given():
+    assert (TrainingSpec().lr, TrainingSpec(model="resnet18").lr) == (0.01, 0.005)
+    assert TrainingSpec(model="resnet18", lr=0.02).lr == 0.02
+    # A run that changes only the model of a deployment's training block gets that model's rate.
+    deployment = {"training": {"model": "basicnet", "epochs": 3}}
+    merged = merge_blocks(deployment, {"training": {"model": "resnet18"}}, ("training",))
+    assert validate_blocks({"dataset": {"source": "builtin:digits"}, **merged}
+                           )["training"].lr == 0.005
+    # A bad model is one problem, not two: the rate that follows it is not reported on its own.
+    with pytest.raises(InvalidParameters) as error:
+        validate_blocks({"dataset": {"source": "builtin:digits"},
+                         "training": {"model": "resnet-18"}})
+    assert [p.split(":")[0] for p in error.value.problems] == ["training.model"]
 
 
 def test_kaggle_sources_are_parsed():

@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from optuna.trial import TrialState
 
 from tasks.lineage import FLOW_RUN_ID
-from tasks.sweep import TRIAL_STATE, open_storage
+from tasks.sweep import TRIAL_STATE, open_storage, trial_spec
 from training.storage import tracking_uri
 
 SMALL = {"epochs": 3, "image_size": 12, "batch_size": 50}
@@ -171,6 +171,15 @@ def test_bad_sweeps_are_refused_before_any_trial(prefect_engine, tmp_path, param
 
 def _slots(queue_) -> list:
     return [queue_.get() for _ in range(queue_.qsize())]
+
+
+def test_a_trial_that_changes_the_model_gets_that_models_default_rate():
+    from training.config import TrainingSpec
+
+    base = TrainingSpec(epochs=2, batch_size=8)
+    trial = trial_spec(base, {"model": "resnet18"}, {"num_processes": 1})
+    assert (trial.model, trial.lr, trial.epochs, trial.batch_size) == ("resnet18", 0.005, 2, 8)
+    assert trial_spec(TrainingSpec(lr=0.02), {"model": "resnet18"}, {}).lr == 0.02
 
 
 def test_trials_are_placed_on_the_visible_gpus_and_share_the_cores(monkeypatch):

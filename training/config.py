@@ -258,6 +258,13 @@ def _registered_name(function: ast.FunctionDef) -> list[str]:
     return []
 
 
+def default_lr(model: str) -> float:
+    """The peak learning rate a spec gets when it names none: basicnet, small and shallow, is
+    short of steps on small data and gains from a higher rate than deeper networks tolerate
+    from scratch (bench/RESULTS.md, the demo's recipe)."""
+    return 1e-2 if model == "basicnet" else 5e-3
+
+
 class TrainingSpec(Spec):
     """What to train and how, including how `accelerate launch` is called."""
 
@@ -284,9 +291,10 @@ class TrainingSpec(Spec):
         "optimizer steps, not epochs (bench/RESULTS.md: digits, 3 epochs, batch 16 reached 0.978 "
         "on every seed where 32 gave 0.966-0.989).")
     lr: Annotated[float, Role.RECIPE] = Field(
-        5e-3, gt=0, le=10, description="Peak learning rate (of the head, with "
-        "backbone_lr_factor). The default suits training from scratch with the onecycle "
-        "schedule (bench/RESULTS.md: digits 0.944 -> 0.978 in 3 epochs); fine-tuning "
+        default_factory=lambda fields: default_lr(fields["model"]), gt=0, le=10,
+        description="Peak learning rate (of the head, with backbone_lr_factor). Default: 0.01 "
+        "for basicnet, 0.005 for other models, for training from scratch with the onecycle "
+        "schedule (bench/RESULTS.md: digits 0.944 -> 0.983 in 3 epochs); fine-tuning "
         "pretrained weights wants about 1e-3 with backbone_lr_factor 0.1.")
     optimizer: Annotated[Literal["adam", "adamw", "sgd"], Role.RECIPE] = Field(
         "adam", description='"adam", "adamw" or "sgd".')
@@ -619,6 +627,8 @@ def problems_of(error: ValidationError, block: str | None = None) -> list[str]:
     """Pydantic's errors as `block.field: message (got value)` lines, without its URL."""
     lines = []
     for err in error.errors():
+        if err["type"] == "default_factory_not_called":  # a default that follows another field
+            continue  # whose own error is listed
         where = ".".join(str(p) for p in ((block,) if block else ()) + tuple(err["loc"]))
         message = err["msg"].removeprefix("Value error, ")
         given = err.get("input")
