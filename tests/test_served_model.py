@@ -7,10 +7,12 @@ import base64
 import io
 import json
 import logging
+import re
 import subprocess
 import sys
 import sysconfig
 import urllib.request
+from pathlib import Path
 
 import mlflow
 import pandas as pd
@@ -189,6 +191,42 @@ def test_predict_flow_scores_each_image_once_across_two_processes(
         artifacts = prefect.read_latest_artifacts()
     table = next(a for a in artifacts if a.key == "predict-flow-predictions")
     assert "broken.jpg" in json.dumps(table.data)
+
+
+def test_scoring_warns_of_versions_other_than_the_models(registered, tmp_path):
+    """A scoring process names each pinned requirement this environment does not match, as
+    MLflow's own check would (it is skipped: it costs about 2 s per process)."""
+    model = Path(mlflow.artifacts.download_artifacts(
+        artifact_uri=MlflowClient(registered["uri"]).get_model_version_download_uri(NAME, "1"),
+        dst_path=str(tmp_path / "model"), tracking_uri=registered["uri"]))
+    split = registered["split"]
+    path, _ = next(t for t in registered["tests"] if t[0] in registered["predicted"])
+    (tmp_path / "images.txt").write_text(f"{split.root / path}\n")
+
+    def score(out: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "training.score", "--model", str(model),
+                               "--images", str(tmp_path / "images.txt"), "--out",
+                               str(tmp_path / out)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert (tmp_path / out / "predictions.csv").is_file()
+        return done.stdout + done.stderr
+
+    assert "warning: the model was logged with" not in score("same")
+    requirements = model / "requirements.txt"
+    requirements.write_text(requirements.read_text().replace(
+        f"torch=={torch_version()}", "torch==1.0.0") + "\nno-such-package-here==1.0\n")
+    mlmodel = model / "MLmodel"
+    mlmodel.write_text(re.sub(r"python_version: \S+", "python_version: 3.8.10", mlmodel.read_text()))
+    said = score("other")
+    assert f"warning: the model was logged with torch==1.0.0 (installed: {torch_version()})" in said
+    assert "warning: the model was logged with no-such-package-here==1.0 (not installed)" in said
+    assert "warning: the model was logged with Python 3.8.10 (running: " in said
+
+
+def torch_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("torch").split("+")[0]
 
 
 def test_bad_scoring_input_is_refused_before_any_launch(registered, prefect_engine, tmp_path,
