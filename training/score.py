@@ -68,21 +68,21 @@ def other_versions(model_dir: Path) -> list[str]:
     import platform
 
     import yaml
-    from packaging.requirements import InvalidRequirement, Requirement
 
     found = []
+    # train-flow logs every requirement as name==version (tasks/register.py); other lines are
+    # not ours to judge.
     for line in (model_dir / "requirements.txt").read_text().splitlines():
-        try:
-            requirement = Requirement(line)
-        except InvalidRequirement:  # a comment, an option line, an empty line
+        name, pinned, version = line.strip().partition("==")
+        if not pinned or not name or " " in name:
             continue
         try:
-            installed = importlib.metadata.version(requirement.name)
+            installed = importlib.metadata.version(name.split("[")[0])
         except importlib.metadata.PackageNotFoundError:
-            found.append(f"{line} (not installed)")
+            found.append(f"{line.strip()} (not installed)")
             continue
-        if not requirement.specifier.contains(installed, prereleases=True):
-            found.append(f"{line} (installed: {installed})")
+        if installed.split("+")[0] != version.split("+")[0]:  # a local tag (+cpu) is a build
+            found.append(f"{line.strip()} (installed: {installed})")
     flavor = yaml.safe_load((model_dir / "MLmodel").read_text())["flavors"]["python_function"]
     logged = str(flavor.get("python_version", ""))
     if logged.split(".")[:2] != platform.python_version().split(".")[:2]:
