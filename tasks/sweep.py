@@ -147,6 +147,7 @@ def trial_spec(base: TrainingSpec, params: dict, launch: dict) -> TrainingSpec:
     model) follows the trial's value of it."""
     return TrainingSpec(**{**base.model_dump(exclude_unset=True), **params, **launch})
 
+
 @task
 def run_trials(data: SplitResult, base: TrainingSpec, sweep: SweepSpec, source: str,
                parent_run_id: str, storage: str | None = None) -> SweepSummary:

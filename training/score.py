@@ -72,7 +72,8 @@ def other_versions(model_dir: Path) -> list[str]:
     found = []
     # train-flow logs every requirement as name==version (tasks/register.py); other lines are
     # not ours to judge.
-    for line in (model_dir / "requirements.txt").read_text().splitlines():
+    requirements = model_dir / "requirements.txt"  # absent from a model logged without pins
+    for line in requirements.read_text().splitlines() if requirements.is_file() else []:
         name, pinned, version = line.strip().partition("==")
         if not pinned or not name or " " in name:
             continue
@@ -83,9 +84,9 @@ def other_versions(model_dir: Path) -> list[str]:
             continue
         if installed.split("+")[0] != version.split("+")[0]:  # a local tag (+cpu) is a build
             found.append(f"{line.strip()} (installed: {installed})")
-    flavor = yaml.safe_load((model_dir / "MLmodel").read_text())["flavors"]["python_function"]
-    logged = str(flavor.get("python_version", ""))
-    if logged.split(".")[:2] != platform.python_version().split(".")[:2]:
+    flavors = yaml.safe_load((model_dir / "MLmodel").read_text()).get("flavors") or {}
+    logged = str((flavors.get("python_function") or {}).get("python_version", ""))
+    if logged and logged.split(".")[:2] != platform.python_version().split(".")[:2]:
         found.append(f"Python {logged} (running: {platform.python_version()})")
     return found
 
