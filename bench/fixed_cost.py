@@ -57,7 +57,8 @@ def main() -> None:
         for name, checkout in checkouts.items():
             run(checkout, root / name, env, [])  # the champion, and warm data caches
         for pair in range(args.pairs):
-            for name, checkout in checkouts.items():
+            order = list(checkouts.items())  # which version goes first alternates by pair
+            for name, checkout in order if pair % 2 == 0 else order[::-1]:
                 shutil.rmtree(root / name / "gate", ignore_errors=True)
                 gated = run(checkout, root / name, env, [])
                 ungated = run(checkout, root / name, env,
