@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import os
 import time
@@ -17,6 +16,7 @@ from tasks.mlflow_logging import fail_fast_http
 from training.config import DatasetSpec, TrainingSpec
 from training.data.kaggle import MISSING_CREDENTIALS, find_credentials
 from training.data.sources import check_source
+from training.hardware import gpu_driver_present
 from training.storage import home, redacted, tracking_uri
 
 
@@ -139,15 +139,6 @@ def cpu_has_bf16() -> bool:
 class Gpu:
     name: str
     bf16: bool
-
-
-# The device files of a GPU driver CUDA (or ROCm, through torch.cuda) could use. Without any,
-# no GPU can be visible, and preflight need not import torch (3 s of a flow's fixed cost here).
-GPU_DEVICE_FILES = ("/dev/nvidia*", "/dev/kfd", "/dev/dxg")
-
-
-def gpu_driver_present() -> bool:
-    return any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)
 
 
 def local_gpus() -> list[Gpu]:

@@ -79,15 +79,33 @@ def _refused_before_any_server(tmp_path: Path, command: list[str], message: str)
     assert time.monotonic() - started < 30
 
 
-def test_the_flows_load_without_what_only_the_ranks_need():
-    """A hand-started run pays for importing its flow before anything starts: torch (about 3 s
-    here) and matplotlib belong to the ranks and to drawing, not to importing a flow."""
-    probe = ("import sys, flows.train_flow, flows.sweep_flow, flows.predict_flow; "
-             "print(sorted(m for m in ('torch', 'torchvision', 'matplotlib') if m in sys.modules))")
+def test_the_flows_load_and_check_without_what_only_the_ranks_need(tmp_path):
+    """A hand-started run pays for importing its flow and for the checks before its launch:
+    torch (about 3 s here) and matplotlib belong to the ranks and to drawing. On a machine
+    without a GPU driver, "auto" processes are decided without torch too."""
+    probe = """
+import sys
+import flows.train_flow, flows.sweep_flow, flows.predict_flow
+print(sorted(m for m in ('torch', 'torchvision', 'matplotlib') if m in sys.modules))
+from tasks.launcher import launch_command
+from tasks.lineage import spec_hash
+from tasks.preflight import check_before_start
+from training.config import DatasetSpec, SplitSpec, TrainingSpec
+training = TrainingSpec(num_processes="auto")
+check_before_start.fn(DatasetSpec(source="builtin:digits"), training)
+spec_hash(training, SplitSpec())
+print(launch_command(training, "training.train", []))
+print(sorted(m for m in ('torch', 'torchvision', 'matplotlib') if m in sys.modules))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_API"))}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).parents[1])
+                          timeout=120, cwd=Path(__file__).parents[1],
+                          env={**env, "TRAINFLOW_HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n")[-2] == "[]"
+    imported, launch, checked = done.stdout.splitlines()[-3:]
+    assert imported == "[]"
+    assert "'--num_processes', '2'" in launch  # "auto" on this 2-core machine
+    assert checked == "[]"
 
 
 @pytest.mark.slow

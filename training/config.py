@@ -476,9 +476,9 @@ class TrainingSpec(Spec):
         if self.num_processes != "auto":
             return self.num_processes
         if gpus is None:
-            import torch
+            from training.hardware import cuda_gpu_count
 
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            gpus = cuda_gpu_count()
         if gpus:
             return gpus
         return 2 if (os.cpu_count() or 1) >= 2 else 1
