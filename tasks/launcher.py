@@ -22,6 +22,7 @@ from tasks.credentials import SECRET_VARIABLES
 from training.config import TrainingSpec
 from training.engine.events import Event, Failed, Preempted, last_from_rank_0
 from training.engine.progress import TASK_REPORTS, ProgressReader
+from training.hardware import cuda_gpu_count
 from training.processes import TERMINATE_GRACE_S, free_port, kill_tree, port_in_use, tied_to_parent
 
 STARTUP_TIMEOUT_S = 180.0
@@ -55,9 +56,7 @@ class PortTaken(LaunchFailed):
 
 
 def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    return cuda_gpu_count() > 0  # without importing torch on a machine with no GPU driver
 
 
 def launch_command(spec: TrainingSpec, module: str, args: list[str], port: int | None = None,
@@ -136,6 +135,7 @@ class LaunchWatch:
 
     on_line: Callable[[str], None] = lambda line: None
     on_event: Callable[[Event], None] = lambda event: None
+    on_started: Callable[[], None] = lambda: None  # the launch's process exists
     hang_timeout_s: float = 300.0
     # Interpreter, torch and rendezvous start-up report nothing; a busy machine can take a
     # while, so the hang clock is this generous until the first progress event arrives.
@@ -203,6 +203,7 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
 
     pump = threading.Thread(target=_pump, args=(proc, lines), daemon=True)
     pump.start()
+    watch.on_started()
     dog = Watchdog(watch.hang_timeout_s, watch.startup_timeout_s, watch.timeout_s)
     last_seen: dict[int, Event] = {}
     try:
@@ -248,7 +249,8 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
 
 def launch(spec: TrainingSpec, module: str, args: list[str], output_dir: Path,
            logger: logging.Logger | logging.LoggerAdapter, on_event: Callable[[Event], None],
-           extra_env: dict[str, str] | None = None, one_process: bool = False) -> list[Event]:
+           extra_env: dict[str, str] | None = None, one_process: bool = False,
+           on_started: Callable[[], None] = lambda: None) -> list[Event]:
     """`accelerate launch -m module args` for `spec`, watched; returns every rank's events.
 
     `one_process` runs `python -m module args` instead, for jobs too small to repay the
@@ -263,7 +265,8 @@ def launch(spec: TrainingSpec, module: str, args: list[str], output_dir: Path,
                    else launch_command(spec, module, args, port=free_port(), env=env))
         logger.info("launching: %s", " ".join(command))
         watch = LaunchWatch(on_line=lambda line: logger.info("%s", line), on_event=on_event,
-                            hang_timeout_s=spec.hang_timeout_s, timeout_s=spec.timeout_s)
+                            on_started=on_started, hang_timeout_s=spec.hang_timeout_s,
+                            timeout_s=spec.timeout_s)
         try:
             return run_launch(command, env, output_dir, watch,
                               grace_s=max(TERMINATE_GRACE_S, spec.preemption_grace_s))

@@ -66,17 +66,17 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         elif isinstance(event, Resumed) and main:
             logger.info("resumed from %s (epoch %s done)", event.checkpoint, event.epoch)
 
-    warm_imports()
     try:
         with system_metrics(mlflow_run_id, tracking_uri, logger):
             if job.training.num_machines > 1:
                 from tasks.nodes import launch_nodes  # needs a Prefect server and its workers
 
+                warm_imports()
                 events = launch_nodes(job.training, job_file, job.output_dir, resume, logger,
                                       on_event)
             else:
                 events = launch(job.training, "training.train", args, job.output_dir, logger,
-                                on_event, extra_env)
+                                on_event, extra_env, on_started=warm_imports)
     except BaseException:
         tracker.flush(patience_s=0)  # what the finished epochs logged is kept even on failure
         raise
@@ -109,7 +109,9 @@ def warm_imports() -> None:
     """Import, in a background thread, what this process needs once the ranks are done: the
     metrics, pictures and gate (scikit-learn, SciPy, matplotlib), the model check (torch) and
     the model's logging (MLflow's pyfunc). The launcher's own start-up leaves a core idle for
-    seconds; done afterwards they would wait on the critical path (about 9 s on 2 cores)."""
+    seconds; done afterwards they would wait on the critical path (about 9 s on 2 cores).
+    Started once the launch's process exists: started before, they held this process's GIL
+    while it was getting there (2-3 s later to the launch on 2 cores)."""
     def load() -> None:
         import importlib
 
