@@ -15,6 +15,7 @@ run with only the fields given, each laid over the deployment's own value.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -161,9 +162,20 @@ def stage_seconds(flow_run_id) -> dict[str, float]:
     return stages
 
 
+def quiet_mlflow() -> None:
+    """A person reads this output: the run's lines, one per epoch, and the summary. MLflow's
+    INFO lines and its artifact progress bars (carriage-return redraws, two per registration)
+    add nothing to them. Before MLflow is imported, which reads the level; a value set is kept.
+    """
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+
 def run_train(params: dict, as_json: bool, force: bool = False) -> None:
     """train-flow on PREFECT_API_URL or the reused local server; bad values end it first."""
     from commands.local_server import local_prefect_api
+
+    quiet_mlflow()
 
     try:
         params = {**params, **{name: spec.model_dump(mode="json", exclude_unset=True)
@@ -210,6 +222,7 @@ def sweep(argv: list[str]) -> None:
     params = train_parameters(args, given)
     options = args.model_dump(mode="json", include={"n_trials", "max_concurrency", "budget_s",
                                                     "storage", "search_space"})
+    quiet_mlflow()
     with local_prefect_api():
         from flows.sweep_flow import sweep_flow
 
