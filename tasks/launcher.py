@@ -203,10 +203,10 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
 
     pump = threading.Thread(target=_pump, args=(proc, lines), daemon=True)
     pump.start()
-    watch.on_started()
     dog = Watchdog(watch.hang_timeout_s, watch.startup_timeout_s, watch.timeout_s)
     last_seen: dict[int, Event] = {}
     try:
+        watch.on_started()  # inside: whatever it raises, the launch is not left running
         while True:
             _drain(lines, on_line)
             for event in reader.poll():
