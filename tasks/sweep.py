@@ -34,6 +34,7 @@ from tasks.train import run_training
 from training.config import Distribution, SweepSpec, TrainingSpec
 from training.engine.events import EpochEnded
 from training.handoff import SplitResult, TrainJob, TrainResult
+from training.hardware import cuda_gpu_count
 from training.storage import home, tracking_uri
 
 RESULT_ATTR, RUN_ATTR, EPOCHS_ATTR = "trainflow.result", "trainflow.mlflow_run_id", "epochs_run"
@@ -97,9 +98,7 @@ def suggest(trial: optuna.Trial, name: str, dist: Distribution):
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, named as CUDA_VISIBLE_DEVICES names them (indices or
     UUIDs); a trial's CUDA_VISIBLE_DEVICES must be a subset of these, never 0..n-1 blindly."""
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = cuda_gpu_count()
     listed = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     names = [d.strip() for d in listed.split(",") if d.strip()] if listed else []
     return (names or [str(i) for i in range(count)])[:count]

@@ -189,6 +189,7 @@ def test_trials_are_placed_on_the_visible_gpus_and_share_the_cores(monkeypatch):
     from tasks.sweep import device_slots, visible_gpus
     from training.config import TrainingSpec
 
+    monkeypatch.setattr("training.hardware.gpu_driver_present", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6")
