@@ -204,9 +204,11 @@ def decide(spec: RegistrySpec, value: float, champion: SameImages | None,
         return True, "no champion yet"
     best = champion.metrics[spec.metric]
     gain = value - best
-    if gain <= 0 or gain < spec.min_improvement:
-        return False, (f"does not beat champion v{champion.version} ({best:.4f}) by at least "
-                       f"{spec.min_improvement:g}")
+    if gain <= 0:
+        return False, f"does not beat champion v{champion.version} ({best:.4f})"
+    if gain < spec.min_improvement:
+        return False, (f"gain {gain:+.4f} over v{champion.version} ({best:.4f}) is below "
+                       f"registry.min_improvement {spec.min_improvement:g}")
     if spec.significance is not None and p_value is not None and p_value >= spec.significance:
         return False, (f"gain {gain:+.4f} over v{champion.version} is not significant "
                        f"(McNemar p={p_value:.3g} >= {spec.significance:g}): it may be noise")

@@ -333,3 +333,20 @@ def test_decisions_released_together_each_face_the_real_champion(models, tmp_pat
         if v.tags[PROMOTION] == "promoted":
             champion = str(v.version)
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == champion
+
+
+def test_the_gates_reason_says_which_rule_held_the_challenger_back():
+    """A tie and a gain below min_improvement are told apart, in the fields a person sets."""
+    from tasks.gate import SameImages
+    from tasks.register import decide
+
+    champion = SameImages(version="1", images=100, metrics={"accuracy": 0.90}, correct={},
+                          cached=True)
+    chance = (True, "")
+    tie = decide(RegistrySpec(), 0.90, champion, 1.0, chance)
+    assert tie == (False, "does not beat champion v1 (0.9000)")
+    small = decide(RegistrySpec(min_improvement=0.05), 0.92, champion, 0.01, chance)
+    assert small == (False, "gain +0.0200 over v1 (0.9000) is below registry.min_improvement "
+                            "0.05")
+    assert decide(RegistrySpec(min_improvement=0.01), 0.92, champion, 0.01, chance) == (
+        True, "beats champion v1 (0.9000)")
