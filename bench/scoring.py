@@ -74,7 +74,7 @@ def registered_model(trained: TrainResult, home: Path) -> Path:
     mlflow.set_tracking_uri(f"sqlite:///{home / 'mlflow.db'}")
     experiment = mlflow.create_experiment("bench", artifact_location=(home / "art").as_uri())
     with mlflow.start_run(experiment_id=experiment) as run:
-        uri = log_model(trained, run.info.run_id)
+        uri = log_model(trained, run.info.run_id).model_uri
     return Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(home / "model")))
 
 

@@ -10,6 +10,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlflow
 from mlflow import MlflowClient
@@ -31,6 +32,9 @@ from training.data.rows import image_bytes
 from training.data.split import read_manifest
 from training.handoff import TrainResult
 from training.storage import tracking_uri
+
+if TYPE_CHECKING:
+    from mlflow.models.model import ModelInfo
 
 SERVING_PACKAGES = ("safetensors", "pillow", "numpy", "pandas")
 
@@ -106,7 +110,7 @@ def code_paths(model_name: str) -> list[str]:
     return paths
 
 
-def log_model(trained: TrainResult, run_id: str) -> str:
+def log_model(trained: TrainResult, run_id: str) -> ModelInfo:
     """Log the model from code (trainflow_serving/pyfunc_model.py), nothing of ours pickled.
 
     Weights go as a safetensors artifact, the model's description as JSON, and the
@@ -146,7 +150,7 @@ def log_model(trained: TrainResult, run_id: str) -> str:
                                 for name in ("torch", "torchvision",
                                              *serving_packages(trained.job.training.model)))],
         )
-    return model_info.model_uri
+    return model_info
 
 
 def correctness(predictions: Path) -> dict[str, int]:
@@ -293,8 +297,11 @@ def _register(trained: TrainResult, evaluation: Evaluation, registry: RegistrySp
     else:
         tags = {**lineage, METRIC: metric, PREDICTIONS_RUN_ID: mlflow_run_id,
                 metric_tag(metric): repr(value), TEST_METRICS: json.dumps(evaluation.metrics)}
-        model_uri = log_model(trained, mlflow_run_id)
-        version = mlflow.register_model(model_uri, name, tags=tags)
+        model = log_model(trained, mlflow_run_id)
+        # What mlflow.register_model does for a models:/ URI, without the two lines it prints
+        # to stderr ("... already exists", "Created version N"), which the summary says.
+        version = client.create_model_version(name, model.model_uri, tags=tags,
+                                              model_id=model.model_id)
     with one_decision_at_a_time(name):
         if PROMOTION in version.tags:  # decided by an earlier attempt: never judged again
             registration = recorded(version, registry, value, small_test_warning(evaluation))

@@ -9,6 +9,7 @@ without it was cut off mid-save and is never resumed from.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -29,8 +30,22 @@ STATE_FILE = "trainer_state.json"
 
 
 def project_configuration(output_dir: Path) -> ProjectConfiguration:
+    quiet_rotation()
     return ProjectConfiguration(project_dir=str(output_dir), automatic_checkpoint_naming=True,
                                 total_limit=KEEP_CHECKPOINTS)
+
+
+def quiet_rotation() -> None:
+    """Drop Accelerate's warning that it deletes the oldest checkpoint: with total_limit that is
+    the policy working, and it printed between the epoch lines of every run of 3+ epochs."""
+    logger = logging.getLogger("accelerate.accelerator")
+    if not any(isinstance(f, _RotationFilter) for f in logger.filters):
+        logger.addFilter(_RotationFilter())
+
+
+class _RotationFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "checkpoints to make room for new checkpoint" not in record.getMessage()
 
 
 @dataclass
