@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -185,5 +184,7 @@ def train_model(split: SplitResult, training: TrainingSpec, output_dir: Path,
     if result.mlflow_unsent:
         logger.warning("%d metric batches could not be logged to MLflow; weights are safe at %s",
                        result.mlflow_unsent, result.weights)
-    logger.info("best epoch %d: %s", result.best_epoch, json.dumps(result.best_metrics.figures()))
+    best = result.best_metrics  # its every figure was on that epoch's line
+    logger.info("best epoch %d of %d: val_accuracy=%.4g val_loss=%.4g", result.best_epoch,
+                len(result.history), best.val_accuracy, best.val_loss)
     return result
