@@ -1,6 +1,8 @@
 """A hand-started digits run's time, this checkout against an earlier commit, alternated.
 
     .venv/bin/python -m bench.fixed_cost --before d4e60d7 --pairs 3
+    # another recipe: these flags go to every run
+    .venv/bin/python -m bench.fixed_cost --before d4e60d7 --recipe "--training.model resnet18 ..."
 
 Both run `trainflow train --training.epochs 3 --force` (the demo's recipe) on one reused local
 Prefect server, each version with its own home. Per pair and version:
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -44,7 +47,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--before", required=True, help="the commit to compare with")
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--recipe", default="", help="more `trainflow train` flags for every run, "
+                        "e.g. \"--dataset.source DIR --training.model resnet18\"")
     args = parser.parse_args()
+    recipe = shlex.split(args.recipe)
     root = Path(tempfile.mkdtemp(prefix="bench-fixed-cost-"))
     subprocess.run(["git", "worktree", "add", "--detach", "-f", str(root / "before"),
                     args.before], cwd=REPO, check=True, capture_output=True)
@@ -55,14 +61,14 @@ def main() -> None:
     runs: dict[str, list[tuple]] = {name: [] for name in checkouts}
     try:
         for name, checkout in checkouts.items():
-            run(checkout, root / name, env, [])  # the champion, and warm data caches
+            run(checkout, root / name, env, recipe)  # the champion, and warm data caches
         for pair in range(args.pairs):
             order = list(checkouts.items())  # which version goes first alternates by pair
             for name, checkout in order if pair % 2 == 0 else order[::-1]:
                 shutil.rmtree(root / name / "gate", ignore_errors=True)
-                gated = run(checkout, root / name, env, [])
+                gated = run(checkout, root / name, env, recipe)
                 ungated = run(checkout, root / name, env,
-                              ["--registry.model_name", f"fresh-{pair}"])
+                              [*recipe, "--registry.model_name", f"fresh-{pair}"])
                 runs[name].append((gated, ungated))
                 print(f"{name}\n  gated   {gated[2]}\n  ungated {ungated[2]}", flush=True)
         print("\n| run | " + " | ".join(f"{n}: flow s (wall s)" for n in checkouts) +

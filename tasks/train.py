@@ -15,6 +15,7 @@ from tasks import RESUMABLE, run_logger
 from tasks.launcher import launch
 from tasks.mlflow_logging import EpochLogger
 from tasks.tracking import fluent_mlflow
+from trainflow_serving.model_names import network_library
 from training.config import TrainingSpec
 from training.engine.events import (
     EpochEnded,
@@ -70,12 +71,13 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
             if job.training.num_machines > 1:
                 from tasks.nodes import launch_nodes  # needs a Prefect server and its workers
 
-                warm_imports()
+                warm_imports(job.training.model)
                 events = launch_nodes(job.training, job_file, job.output_dir, resume, logger,
                                       on_event)
             else:
                 events = launch(job.training, "training.train", args, job.output_dir, logger,
-                                on_event, extra_env, on_started=warm_imports)
+                                on_event, extra_env,
+                                on_started=lambda: warm_imports(job.training.model))
     except BaseException:
         tracker.flush(patience_s=0)  # what the finished epochs logged is kept even on failure
         raise
@@ -104,10 +106,11 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
     )
 
 
-def warm_imports() -> None:
+def warm_imports(model_name: str) -> None:
     """Import, in a background thread, what this process needs once the ranks are done: the
-    metrics, pictures and gate (scikit-learn, SciPy, matplotlib), the model check (torch) and
-    the model's logging (MLflow's pyfunc). The launcher's own start-up leaves a core idle for
+    metrics, pictures and gate (scikit-learn, SciPy, matplotlib), the model check (torch and
+    the network's library: torchvision's import alone is 1.7 s, torch._dynamo with it) and the
+    model's logging (MLflow's pyfunc). The launcher's own start-up leaves a core idle for
     seconds; done afterwards they would wait on the critical path (about 9 s on 2 cores).
     Started once the launch's process exists: started before, they held this process's GIL
     while it was getting there (2-3 s later to the launch on 2 cores)."""
@@ -118,8 +121,9 @@ def warm_imports() -> None:
 
         with contextlib.suppress(Exception):  # an import that fails here fails where it is used
             for name in ("torch", "safetensors.torch", "sklearn.metrics", "scipy.stats",
-                         "mlflow.pyfunc"):
-                importlib.import_module(name)
+                         "mlflow.pyfunc", network_library(model_name)):
+                if name:
+                    importlib.import_module(name)
             pyplot()
             # Logging a model checks its requirements against the installed packages through
             # a map of every installed distribution's modules, built on first use and cached
