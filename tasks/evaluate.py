@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -68,6 +67,6 @@ def evaluate_model(trained: TrainResult, mlflow_run_id: str) -> Evaluation:
                      params=[Param("best_epoch", str(trained.best_epoch))])
     for file in sorted(out.glob("*.*")):  # the results, not the ranks' progress/ folder
         client.log_artifact(mlflow_run_id, str(file), artifact_path="evaluation")
-    logger.info("test metrics on %d images: %s", evaluation.images,
-                json.dumps(evaluation.metrics))
+    logger.info("test metrics on %d images: %s", evaluation.images,  # as the epoch lines
+                " ".join(f"{name}={value:.4g}" for name, value in evaluation.metrics.items()))
     return evaluation
