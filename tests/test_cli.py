@@ -144,7 +144,8 @@ def _two_runs_and_a_stop(tmp_path: Path, env: dict, config: Path) -> None:
         assert (first.stdout + first.stderr).count(f"epoch {epoch}/3 ") == 1, epoch
     # Progress bars and library chatter: MLflow's, and Accelerate's routine checkpoint rotation
     # (the third epoch's checkpoint replaces the first).
-    for noise in ("Downloading artifacts", " INFO mlflow", "Created version", "already exists",
+    for noise in ("Downloading artifacts", " INFO mlflow", "Created version",
+                  "already exists. Creating a new version",
                   "checkpoints to make room"):
         assert noise not in first.stderr + first.stdout, noise
     record = json.loads((tmp_path / ".prefect" / "trainflow-server.json").read_text())
