@@ -36,6 +36,7 @@ from training.config import (
     problems_of,
     validate_blocks,
 )
+from training.storage import redacted, tracking_uri
 
 
 class TrainArgs(BaseModel):
@@ -139,6 +140,9 @@ def summary(result, seconds: float, stages: dict[str, float]) -> str:
     ]
     if result.mlflow_url:
         lines.append(f"mlflow    {result.mlflow_url}")
+        uri = tracking_uri()
+        if not uri.startswith(("http://", "https://")):  # no server answers that link yet
+            lines.append(f"          (a local store: mlflow ui --backend-store-uri {redacted(uri)})")
     if result.prefect_url:
         lines.append(f"prefect   {result.prefect_url}")
     timing = ", ".join(f"{name} {s:.1f} s" for name, s in stages.items())

@@ -312,9 +312,8 @@ def _register(trained: TrainResult, evaluation: Evaluation, registry: RegistrySp
                                   else "waiting" if registration.awaiting_approval
                                   else "not asked")
         client.set_registered_model_alias(name, CHALLENGER, version.version)
-    if registration.warning:
-        logger.warning("%s", registration.warning)
-    logger.info("%s", registration.description())
+    # The description ends with the warning, if any: one line, at the level it deserves.
+    (logger.warning if registration.warning else logger.info)("%s", registration.description())
     return registration.model_copy(update={"aliases": sorted(
         client.get_model_version(name, registration.version).aliases)})
 

@@ -156,6 +156,14 @@ def _two_runs_and_a_stop(tmp_path: Path, env: dict, config: Path) -> None:
                for line in lines), first.stdout[-2000:]
     assert any(line.startswith("prefect   " + record["url"].removesuffix("/api"))
                for line in lines)
+    # The default store is a file: the summary says how to open the MLflow link it gives.
+    assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'trainflow' / 'mlflow.db'}" in first.stdout
+    # Digits' test split has about 18 images a class: the gate's warning is said once, as a
+    # warning, and again in the summary's registry line.
+    small = [line for line in (first.stderr + first.stdout).splitlines()
+             if "the test split has only" in line]
+    assert len(small) == 2 and "| WARNING |" in small[0] and small[1].startswith("registry  "), \
+        small
 
     second = subprocess.run([sys.executable, "-m", "flows.train_flow", json.dumps(
         {"training": {"image_size": 12, "batch_size": 50, "epochs": 3},
