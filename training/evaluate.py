@@ -30,7 +30,7 @@ from training.engine.progress import ProgressWriter, Rank, start_rank
 from training.evaluation.metrics import compute_metrics, predictions_csv
 from training.handoff import TrainJob, job_for_ranks
 from training.models.build import load_trained, preprocessing_for
-from training.processes import die_with_parent
+from training.processes import die_with_parent, exit_after_teardown
 from training.storage import write_json_atomic, write_text_atomic
 
 LOGITS = "logits.safetensors"
@@ -156,3 +156,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_after_teardown()

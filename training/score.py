@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from training.data.rows import image_bytes
 from training.engine.events import Heartbeat, ScoringFinished
 from training.engine.progress import ProgressWriter, Rank, start_rank
-from training.processes import die_with_parent
+from training.processes import die_with_parent, exit_after_teardown
 from training.storage import write_text_atomic
 
 CHUNK = 256
@@ -123,3 +123,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_after_teardown()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -56,7 +55,7 @@ from training.engine.progress import ProgressWriter, Rank, start_rank, task_repo
 from training.engine.schedule import EarlyStopping, continue_after, make_optimizer, make_scheduler
 from training.handoff import TrainJob, job_for_ranks
 from training.models.build import load_trained, model_for, preprocessing_for
-from training.processes import die_with_parent
+from training.processes import die_with_parent, exit_after_teardown
 from training.storage import write_json_atomic
 
 
@@ -279,4 +278,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    exit_after_teardown()
