@@ -1,5 +1,6 @@
 """Flagship scale: a dogs-vs-cats-sized set of generated photos through the data stages, and
-(with --train) the whole flow against the tutorial-style script.
+(with --train) the whole flow against the tutorial-style script, and the flow's own launch
+alone beside them (what the flow adds around its launch).
 
     python -m bench.scale --images 25000 --pairs 2            # data stages only
     python -m bench.scale --images 25000 --pairs 1 --train    # (make bench-scale)
@@ -108,8 +109,27 @@ def data_stages(root: Path, pairs: int) -> list[str]:
         f"process {peak_mb:.0f} MB"]
 
 
+def bare_launch(job, folder: Path) -> float:
+    """Wall seconds of what the flow's train task launches, alone: the training and the test
+    split's predictions in the same processes (`--evaluate-into`)."""
+    import subprocess
+
+    from tasks.launcher import launch_command, launch_env
+
+    folder.mkdir(parents=True, exist_ok=True)
+    job = job.model_copy(update={"output_dir": folder})
+    command = launch_command(job.training, "training.train",
+                             ["--job", str(job.save()), "--evaluate-into", str(folder / "ev")])
+    started = time.perf_counter()
+    done = subprocess.run(command, env=launch_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"our launch failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return time.perf_counter() - started
+
+
 def train_side_by_side(root: Path, pairs: int, epochs: int) -> list[str]:
-    """The whole flow (prepare -> register) against the tutorial-style script, alternated."""
+    """The whole flow (prepare -> register), the launch it makes alone, and the tutorial-style
+    script, alternated."""
     from prefect.testing.utilities import prefect_test_harness
 
     from bench.run import launch
@@ -122,7 +142,7 @@ def train_side_by_side(root: Path, pairs: int, epochs: int) -> list[str]:
     training = {"model": "resnet18", "image_size": SIZE, "batch_size": 64, "epochs": epochs,
                 "num_processes": 2}
     dataset = {"source": str(root.parent), "labels": "filename", "subdir": "train"}
-    walls: dict[str, list[float]] = {"flow": [], "baseline": []}
+    walls: dict[str, list[float]] = {"flow": [], "launch": [], "baseline": []}
     home = Path(tempfile.mkdtemp(prefix="trainflow-bench-scale-"))
     os.environ["TRAINFLOW_HOME"] = str(home)
     try:
@@ -139,16 +159,23 @@ def train_side_by_side(root: Path, pairs: int, epochs: int) -> list[str]:
                                       SplitSpec(val_fraction=0.2, test_fraction=0.1), home)
                 job = TrainJob(split=split, training=training, output_dir=home / f"b{pair}")
                 walls["baseline"].append(launch("baseline", job, 2, home / f"b{pair}")["wall"])
+                walls["launch"].append(bare_launch(job, home / f"l{pair}"))
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    f, b = statistics.median(walls["flow"]), statistics.median(walls["baseline"])
+    f, n, b = (statistics.median(walls[k]) for k in ("flow", "launch", "baseline"))
+
+    def runs(key: str) -> str:
+        return ", ".join(f"{t:.1f}" for t in walls[key])
+
     return ["", f"resnet18 {SIZE} px, {epochs} epochs, 2 processes, medians of {pairs}", "",
             "| run | wall s (runs) |", "|---|---|",
-            f"| whole flow: prepare, split, train, evaluate, register | {f:.0f} "
-            f"({', '.join(f'{t:.0f}' for t in walls['flow'])}) |",
-            f"| tutorial-style script: train only (data already split) | {b:.0f} "
-            f"({', '.join(f'{t:.0f}' for t in walls['baseline'])}) |",
-            "", f"- flow / script: **{f / b:.2f}x**"]
+            f"| whole flow: prepare, split, train, evaluate, register | {f:.1f} ({runs('flow')}) |",
+            f"| the flow's launch alone: train, then predict the test split | {n:.1f} "
+            f"({runs('launch')}) |",
+            f"| tutorial-style script: train only (data already split) | {b:.1f} "
+            f"({runs('baseline')}) |",
+            "", f"- flow / script: **{f / b:.2f}x**; the launch alone / script: {n / b:.2f}x; "
+            f"the flow around its launch: {f - n:.1f} s"]
 
 
 def stage_profile(root: Path, epochs: int) -> list[str]:
