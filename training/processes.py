@@ -95,16 +95,17 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> Non
         os._exit(1)  # the parent died before prctl took effect
 
 
-def exit_after_teardown(code: int = 0) -> None:
+def exit_after_teardown() -> None:
     """End a rank that has finished and destroyed its process group, without the interpreter's
     finalization.
 
     Seen on a busy 2-core machine: a rank that had reported everything and called
     `end_training` died at exit with "terminate called without an active exception"
     (SIGABRT), the launch failed, and the task's retry trained again from the last checkpoint.
-    The DDP module, which the Accelerator still holds, keeps the gloo process group alive
-    after `destroy_process_group`, so its C++ worker threads are torn down with the
-    interpreter, where pytorch/pytorch#179291 places the same abort. Every file a rank writes
+    Most likely the DDP module, which the Accelerator still holds, keeps the gloo process group
+    alive after `destroy_process_group`, so its C++ worker threads are torn down with the
+    interpreter, where pytorch/pytorch#179291 places the same abort. Leaving without that
+    teardown avoids the abort whatever its exact cause. Every file a rank writes
     is closed or line-buffered, so nothing is lost by leaving here.
     """
     import logging
@@ -112,7 +113,7 @@ def exit_after_teardown(code: int = 0) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(0)
 
 
 def tied_to_parent(command: list[str], sig: signal.Signals = signal.SIGTERM) -> list[str]:
