@@ -42,6 +42,11 @@ from training.storage import home, tracking_uri
 # it the launcher's and the ranks' start-up, which sharing so few images out cannot repay.
 ONE_PROCESS_BELOW = 2000
 
+# The early scoring runs beside ranks that already hold every core (tasks/launcher.py shares
+# the cores out among them). With torch's default of a thread per core it oversubscribed them,
+# and every thread it took from one rank stalled both at the next gradient exchange.
+BESIDE_TRAINING = {"OMP_NUM_THREADS": "1"}
+
 
 class SameImages(BaseModel):
     """The champion's figures on the challenger's test images."""
@@ -100,11 +105,13 @@ def champion_class_names(model_name: str, version: str) -> list[str] | None:
 
 
 def score_champion(champion, split: SplitResult, training: TrainingSpec, logger,
-                   same_classes_only: bool = False) -> SameImages | None:
+                   same_classes_only: bool = False, beside_training: bool = False
+                   ) -> SameImages | None:
     """The champion's predictions on the challenger's test images, scored once per test set.
 
     `same_classes_only`: None, and nothing scored, when the champion predicts other classes
-    than the split's (the gate does not compare those)."""
+    than the split's (the gate does not compare those). `beside_training`: the ranks hold every
+    core, so the scoring takes one thread (BESIDE_TRAINING)."""
     rows = test_rows(split)
     key = hashlib.sha256(f"{tracking_uri()}|{champion.name}|{champion.version}|"
                          f"{champion.run_id}".encode()).hexdigest()[:16]
@@ -132,7 +139,8 @@ def score_champion(champion, split: SplitResult, training: TrainingSpec, logger,
                 return None
             scored = score_files(Path(model_dir), [split.root / p for p, _ in rows], split.root,
                                  folder, training, logger,
-                                 one_process=len(rows) < ONE_PROCESS_BELOW)
+                                 one_process=len(rows) < ONE_PROCESS_BELOW,
+                                 extra_env=BESIDE_TRAINING if beside_training else None)
             logger.info("champion v%s scored the challenger's %d test images in %.1f s "
                         "(%d process%s)", champion.version, scored.images, scored.seconds,
                         scored.world_size, "" if scored.world_size == 1 else "es")
@@ -161,7 +169,8 @@ def score_champion_early(split: SplitResult, training: TrainingSpec, registry: R
     try:
         champion = champion_version(MlflowClient(tracking_uri()), registry.model_name)
         if champion is None or score_champion(champion, split, training, logger,
-                                              same_classes_only=True) is None:
+                                              same_classes_only=True,
+                                              beside_training=True) is None:
             return None
     except Exception as e:  # the gate scores it itself, and says why if it cannot
         logger.warning("the champion could not be scored while training (%s: %s); the gate "

@@ -113,16 +113,19 @@ class Scored(BaseModel):
 
 
 def score_files(model_dir: Path, paths: list[Path], root: Path, out: Path, spec: TrainingSpec,
-                logger, one_process: bool = False) -> Scored:
+                logger, one_process: bool = False, extra_env: dict[str, str] | None = None
+                ) -> Scored:
     """Score every file exactly once with a downloaded model, under `accelerate launch` with
     `spec`'s launch fields (every GPU of this machine): predict-flow and the gate alike.
-    `one_process`: in one plain process instead, for a few images."""
+    `one_process`: in one plain process instead, for a few images. `extra_env`: for the
+    scoring's processes (OMP_NUM_THREADS beside a training, say)."""
     listing = out / "images.txt"
     write_text_atomic(listing, "".join(f"{p}\n" for p in paths))
     started = time.perf_counter()
     events = launch(spec.on_this_machine(), "training.score",
                     ["--model", str(model_dir), "--images", str(listing), "--out", str(out)],
-                    out, logger, on_event=lambda event: None, one_process=one_process)
+                    out, logger, on_event=lambda event: None, extra_env=extra_env,
+                    one_process=one_process)
     seconds = time.perf_counter() - started
     done = last_from_rank_0(events, ScoringFinished)
     if done is None or done.scored is None:
