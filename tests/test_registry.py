@@ -218,7 +218,7 @@ def _register_result(client, result, flow_run_id, registry=None):
 
 
 def test_the_champion_is_scored_on_the_challengers_test_images(models, digits_split, session_home,
-                                                                tmp_path, monkeypatch):
+                                                                tmp_path, monkeypatch, caplog):
     """Another split (as after grown data): v1 is judged on v2's test images, not its own."""
     import mlflow
     import pandas as pd
@@ -244,13 +244,16 @@ def test_the_champion_is_scored_on_the_challengers_test_images(models, digits_sp
     monkeypatch.setenv("TRAINFLOW_HOME", str(tmp_path))
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")  # MLflow's default store is ./mlflow.db
-    assert score_champion_early.fn(other, job.training, never) == first.version
+    with caplog.at_level(logging.INFO, logger="trainflow"):
+        assert score_champion_early.fn(other, job.training, never) == first.version
+    # Beside the training's ranks, which hold every core, it takes one thread.
+    tests = [(p, label) for p, label, s in read_manifest(other.manifest) if s == "test"]
+    assert f"scoring {len(tests)} images: 1 process, 1 thread each" in caplog.text
     monkeypatch.chdir(tmp_path)
     [scored] = _gate_files(first.version)
     before = scored.stat().st_mtime_ns
     evaluation, second = _register_result(client, challenger, "flow-other-split", never)
     assert scored.stat().st_mtime_ns == before
-    tests = [(p, label) for p, label, s in read_manifest(other.manifest) if s == "test"]
     theirs = {p for p, _, s in read_manifest(models[0].manifest) if s == "test"}
     assert {p for p, _ in tests} != theirs  # a different exam
     assert second.champion_version == first.version and second.compared_images == len(tests)

@@ -32,12 +32,14 @@ def score(model_dir: Path, paths: list[str], accelerator: Accelerator, rank: Ran
     """The predictions of every path, in order, on the main process (None elsewhere)."""
     import mlflow
     import pandas as pd
+    import torch
 
     if accelerator.device.type == "cuda":  # each rank scores on its own GPU
-        import torch
-
         torch.cuda.set_device(accelerator.device)
     if rank.main:
+        threads = torch.get_num_threads()
+        print(f"scoring {len(paths)} images: {rank.world} process{'es' * (rank.world > 1)}, "
+              f"{threads} thread{'s' * (threads > 1)} each", flush=True)
         for line in other_versions(model_dir):
             print(f"warning: the model was logged with {line}", flush=True)
     # MLflow's own check of the same pins maps every installed distribution first: about 2 s
