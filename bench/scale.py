@@ -182,22 +182,24 @@ def train_side_by_side(root: Path, pairs: int, epochs: int) -> list[str]:
             f"{f - t:.1f} s"]
 
 
-def task_seconds(state) -> dict[str, float]:
-    """Each task run's seconds in one flow run, as Prefect recorded them, by task name."""
+def task_runs(state) -> list:
+    """The task runs of one flow run, as Prefect recorded them, in the order they started."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
         only_it = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
-        tasks = client.read_task_runs(flow_run_filter=only_it)
+        return sorted(client.read_task_runs(flow_run_filter=only_it), key=lambda t: t.start_time)
+
+
+def task_seconds(state) -> dict[str, float]:
+    """Each task run's seconds in one flow run, by task name."""
     # Run names end in a suffix: "split_dataset-0c2", "train-resnet18".
-    return {t.name.rsplit("-", 1)[0]: t.total_run_time.total_seconds() for t in tasks}
+    return {t.name.rsplit("-", 1)[0]: t.total_run_time.total_seconds() for t in task_runs(state)}
 
 
 def stage_profile(root: Path, epochs: int) -> list[str]:
     """One whole flow, cold data: how long each of its task runs took (Prefect's own record)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.train_flow import train_flow
@@ -215,13 +217,10 @@ def stage_profile(root: Path, epochs: int) -> list[str]:
                                training=training, registry={"model_name": "profile"},
                                return_state=True)
             wall = time.perf_counter() - started
-            with get_client(sync_client=True) as client:
-                only_it = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
-                tasks = client.read_task_runs(flow_run_filter=only_it)
-                history = state.result().trained.history
+            tasks = task_runs(state)
+            history = state.result().trained.history
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    tasks.sort(key=lambda t: t.start_time)
     total = sum(t.total_run_time.total_seconds() for t in tasks)
     epochs_s = sum(e.epoch_seconds for e in history)
     return ["", f"one whole flow, resnet18 {SIZE} px, {epochs} epochs, 2 processes: "
