@@ -4,8 +4,8 @@ kernels (`foreach`) against its fused ones (`fused=True`).
     python -m bench.fused_optimizer
 
 Batch 64, one thread (as each rank runs here), channels_last, random data; the two kernels
-alternate, three rounds each, medians. Chose make_optimizer's fused kernels; bench/scale.py
-measures whole flows.
+alternate, three rounds each, medians. Why make_optimizer keeps torch's defaults (about 1% of
+resnet18's step, within the noise: bench/RESULTS.md); bench/scale.py measures whole flows.
 """
 
 from __future__ import annotations
