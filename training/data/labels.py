@@ -40,21 +40,54 @@ def _is_candidate(path: Path) -> bool:
 
 GIVEN_SPLITS = {"train": "train", "val": "val", "valid": "val", "validation": "val",
                 "test": "test"}
+SPLIT_LIKE = frozenset(GIVEN_SPLITS) | {"training", "testing", "eval", "evaluation", "holdout"}
+"""Folder names that say "a split", never "a class"."""
 
 
 def given_splits(root: Path) -> dict[str, str] | None:
-    """{folder: split} when `root` comes split (train/ and test/, optionally val/, valid/ or
-    validation/, and nothing else), each holding one folder per class; else None."""
+    """{folder: split} when `root` comes split, each folder holding one folder per class; else
+    None. The layouts as people download them:
+
+    - train/ and test/, optionally one of val/, valid/ or validation/: each is its split;
+    - train/ and one of val/, valid/ or validation/ without test/ (the PyTorch transfer-learning
+      tutorial's hymenoptera_data, many Kaggle sets): the held-out folder is the *test* split,
+      so the figures are comparable with the ones published for it, and the epoch is chosen on
+      a val carved from train.
+    """
     if not root.is_dir():
         return None
     folders = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
-    if not {"train", "test"} <= folders or not folders <= GIVEN_SPLITS.keys():
+    held_out = {f for f in folders if GIVEN_SPLITS.get(f) in ("val", "test")}
+    if "train" not in folders or not held_out or not folders <= GIVEN_SPLITS.keys():
         return None
     if sum(GIVEN_SPLITS[f] == "val" for f in folders) > 1:
         raise DatasetError(f"{root} has more than one validation folder "
                            f"({', '.join(sorted(f for f in folders if GIVEN_SPLITS[f] == 'val'))}"
                            "); keep one")
+    if "test" not in folders:
+        return {folder: "train" if folder == "train" else "test" for folder in sorted(folders)}
     return {folder: GIVEN_SPLITS[folder] for folder in sorted(folders)}
+
+
+def refuse_split_like_classes(root: Path, class_names: list[str]) -> None:
+    """Folders named like splits read as classes would train a model to tell the folders
+    apart; say what layout was expected instead."""
+    split_like = sorted(n for n in class_names if n.lower() in SPLIT_LIKE)
+    if not split_like:
+        return
+    others = sorted(set(class_names) - set(split_like))
+    named = ", ".join(f"{n}/" for n in split_like)
+    if "train" not in split_like:
+        why = "there is no train/ beside them"
+    elif others:
+        why = f"other folders stand beside them ({', '.join(f'{n}/' for n in others[:5])})"
+    else:
+        why = "no held-out folder (test/, val/, valid/ or validation/) stands beside train/"
+    raise DatasetError(
+        f"{root} has folders named like splits ({named}), which would be read as classes, but "
+        f"not the layout of a split dataset: {why}. Use train/ with test/ and/or val/ (one "
+        "folder per class in each), point dataset.source (or dataset.subdir) at the folder "
+        "that holds the class folders, or rename them")
 
 
 def _from_folders(root: Path) -> list[tuple[str, str]]:
@@ -67,7 +100,9 @@ def _from_folders(root: Path) -> list[tuple[str, str]]:
                                    "folders; add them (one folder per class), or remove it")
             pairs += found
         return pairs
-    return _from_class_folders(root, root)
+    pairs = _from_class_folders(root, root)
+    refuse_split_like_classes(root, sorted({label for _, label in pairs}))
+    return pairs
 
 
 def _from_class_folders(root: Path, classes: Path) -> list[tuple[str, str]]:
