@@ -7,6 +7,7 @@ import base64
 import binascii
 import io
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -81,15 +82,68 @@ def _palette_is_gray(img: Image.Image) -> bool:
     return all(r == g == b for r, g, b in triples)
 
 
-def load_resized(path: Path | BinaryIO, side: int, channels: int) -> np.ndarray:
+@dataclass(frozen=True, order=True)
+class Geometry:
+    """How a decoded image becomes a square of `side` pixels.
+
+    `resize` 0 squashes the whole image to side x side. Otherwise the image keeps its aspect:
+    its shorter side is resized to `resize` and the centre side x side is cut out, as
+    torchvision's `Resize(resize)` + `CenterCrop(side)` (the ImageNet habit: 256 then 224).
+    """
+
+    side: int
+    resize: int = 0
+
+    def __post_init__(self):
+        if self.resize and self.resize < self.side:
+            raise ValueError(f"a {self.side}-pixel centre crop needs the shorter side resized to "
+                             f"at least {self.side}, not {self.resize}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.side}px" if not self.resize else f"{self.side}px-of-{self.resize}"
+
+    @classmethod
+    def parse(cls, name: str) -> Geometry:
+        side, _, resize = name.removesuffix("px").partition("px-of-")
+        return cls(int(side), int(resize or 0))
+
+    @property
+    def draft(self) -> tuple[int, int]:
+        """The smallest size a JPEG may be decoded at (PIL's draft keeps both sides above)."""
+        return (self.resize, self.resize) if self.resize else (self.side, self.side)
+
+    def apply(self, img: Image.Image) -> Image.Image:
+        if not self.resize:
+            return img.resize((self.side, self.side), Image.BILINEAR)
+        width, height = img.size
+        # torchvision's Resize(int): the shorter side becomes `resize`, the longer one keeps
+        # the aspect (truncated), then CenterCrop's rounding of the offsets.
+        if width <= height:
+            size = (self.resize, int(self.resize * height / width))
+        else:
+            size = (int(self.resize * width / height), self.resize)
+        img = img.resize(size, Image.BILINEAR)
+        left = int(round((size[0] - self.side) / 2.0))
+        top = int(round((size[1] - self.side) / 2.0))
+        return img.crop((left, top, left + self.side, top + self.side))
+
+
+def as_geometry(side: int | Geometry) -> Geometry:
+    return side if isinstance(side, Geometry) else Geometry(side)
+
+
+def load_resized(path: Path | BinaryIO, side: int | Geometry, channels: int) -> np.ndarray:
     """uint8 [C, side, side]: the one decode and resize used for training, evaluation and
-    serving (the registered model calls it on the bytes it is sent)."""
-    img = open_image(path, channels, draft=(side, side)).resize((side, side), Image.BILINEAR)
+    serving (the registered model calls it on the bytes it is sent); `side` a Geometry for an
+    aspect-preserving centre crop."""
+    geometry = as_geometry(side)
+    img = geometry.apply(open_image(path, channels, draft=geometry.draft))
     arr = np.asarray(img, dtype=np.uint8)
     return arr[None] if channels == 1 else arr.transpose(2, 0, 1)
 
 
-def load_resized_bytes(value: bytes | str, side: int, channels: int) -> np.ndarray:
+def load_resized_bytes(value: bytes | str, side: int | Geometry, channels: int) -> np.ndarray:
     """`load_resized` for what a client sends: encoded bytes, or base64 text of them."""
     if isinstance(value, str):
         try:

@@ -29,7 +29,7 @@ import torch
 
 # The package travels with the model as code: MLflow puts it on the path before running this file.
 from trainflow_serving import DESCRIPTION_ARTIFACT, WEIGHTS_ARTIFACT
-from trainflow_serving.images import load_resized_bytes
+from trainflow_serving.images import Geometry, load_resized_bytes
 from trainflow_serving.networks import Normalize, build_network
 
 BATCH = 64
@@ -55,6 +55,8 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
         d = self.description
         pre = d["preprocessing"]
         self.side, self.channels = pre["image_size"], pre["channels"]
+        # Evaluation's geometry exactly: squashed, or (crop_from) aspect kept and centre-cropped.
+        self.geometry = Geometry(self.side, pre.get("crop_from", 0))
         self.class_names = d["class_names"]
         self.model = build_network(d["model"], len(self.class_names), self.channels, self.side)
         load_model(self.model, context.artifacts[WEIGHTS_ARTIFACT], strict=True)
@@ -69,7 +71,7 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
         images, errors = [], []
         for value in model_input["image"]:
             try:
-                images.append(load_resized_bytes(value, self.side, self.channels))
+                images.append(load_resized_bytes(value, self.geometry, self.channels))
                 errors.append(None)
             except Exception as e:  # one bad row must not cost the others their predictions
                 images.append(None)

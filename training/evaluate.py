@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainflow_serving.networks import Normalize
 from training.data.cache import CachedImages, decode_split
-from training.data.sides import split_sides
 from training.engine.events import Evaluated, Heartbeat
 from training.engine.progress import ProgressWriter, Rank, start_rank
 from training.evaluation.metrics import compute_metrics, predictions_csv
@@ -59,9 +58,10 @@ def predict_split(job: TrainJob, weights: Path, accelerator: Accelerator, progre
     pre = preprocessing_for(job)
     # One rank decodes what is missing under the store's lock; the others wait on the lock,
     # not in a collective (training.train.make_loaders says why).
-    images = decode_split(job.split, split, split_sides(job.training)[split], pre.channels)
+    # Evaluation's geometry, the served model's own (its preprocessing), whatever the split.
+    images = decode_split(job.split, split, pre.geometry, pre.channels)
     labels, paths = images.labels, images.paths
-    dataset = IndexedImages(CachedImages(images, pre.image_size, augment=False))
+    dataset = IndexedImages(CachedImages(images))
     # The model is not prepared: no DDP wrapper is needed for inference, and none of the
     # training's mixed-precision autocast, so the metrics are those of the fp32 model served.
     model = model.to(accelerator.device).eval()

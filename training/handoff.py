@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainflow_serving.images import Geometry
 from training.config import Spec, TrainingSpec
 from training.engine.events import EpochMetrics, TestMetrics
 
@@ -45,8 +46,15 @@ class Preprocessing(Spec):
     channels: int
     mean: list[float]
     std: list[float]
+    crop_from: int = 0
+    """0: the whole image squashed to image_size; else its shorter side resized to this and
+    the centre image_size square cut out (trainflow_serving.images.Geometry)."""
     resize: str = "bilinear, squashed to a square"
     scale: str = "1/255"
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(self.image_size, self.crop_from)
 
 
 class JobFileError(ValueError):
@@ -110,6 +118,8 @@ class TrainResult(BaseModel):
     best_metrics: EpochMetrics
     history: list[EpochMetrics]
     world_size: int
+    chosen_by: str = "val_accuracy"
+    """How the kept epoch was chosen: "val_loss", "val_accuracy" or "last"."""
     mlflow_unsent: int = 0
     test_metrics: TestMetrics | None = None
     """Set when the launch also predicted the test split with the best weights (its ranks were

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainflow_serving.images import ImageRejected
+from trainflow_serving.images import Geometry, ImageRejected
 from training.data.images import decode_image
 from training.data.rows import ARRAY, MARK, file_of
 
@@ -37,6 +37,12 @@ class WorkItem:
     """The store's data file; the row is written at `row`."""
     side: int
     row: int
+    resize: int = 0
+    """Geometry.resize: 0 squashes, else the shorter side is resized to it and centre-cropped."""
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(self.side, self.resize)
 
 
 @dataclass(frozen=True)
@@ -76,11 +82,12 @@ def copy_array_rows(root: Path, items: list[WorkItem], chunk: int = 8192) -> dic
     for item in items:
         file = file_of(item.relpath)
         if file != item.relpath and file.endswith(ARRAY):
-            groups.setdefault((file, item.data, item.side), []).append(item)
+            groups.setdefault((file, item.data, item.side, item.resize), []).append(item)
     outcomes: dict[str, Outcome] = {}
-    for (file, data, side), group in groups.items():
+    for (file, data, side, resize), group in groups.items():
         array = np.load(root / file, mmap_mode="r")
-        if array.shape[1:3] != (side, side):
+        # A square array at the side wanted: squashed or centre-cropped, it is itself.
+        if array.shape[1:3] != (side, side) or resize not in (0, side):
             continue
         store = np.memmap(data, dtype=np.uint8, mode="r+").reshape(-1, 3, side, side)
         grayscale = array.ndim == 3
@@ -101,7 +108,7 @@ def copy_array_rows(root: Path, items: list[WorkItem], chunk: int = 8192) -> dic
 
 def decode_one(root: Path, item: WorkItem, maps: dict[str, np.ndarray]) -> Outcome:
     try:
-        pixels, grayscale = decode_image(root / item.relpath, item.side)
+        pixels, grayscale = decode_image(root / item.relpath, item.geometry)
     except ImageRejected as e:
         return Outcome(ok=False, reason=str(e))
     if item.data not in maps:

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
-from trainflow_serving.images import ImageRejected
+from trainflow_serving.images import Geometry, ImageRejected, as_geometry
 from training.data.rows import open_any
 
 
@@ -32,13 +31,14 @@ def check_image(root: Path, relpath: str) -> ImageCheck:
     return ImageCheck(relpath, ok=True, grayscale=grayscale)
 
 
-def decode_image(path: Path, side: int) -> tuple[np.ndarray, bool]:
+def decode_image(path: Path, side: int | Geometry) -> tuple[np.ndarray, bool]:
     """(uint8 [3, side, side], grayscale): the check and the training decode in one pass.
 
     A grayscale image is decoded as such and its channel repeated, which is exactly what
     converting it to RGB first would give; channel 0 is its 1-channel decode.
     """
-    img = open_any(path, None, draft=(side, side)).resize((side, side), Image.BILINEAR)
+    geometry = as_geometry(side)
+    img = geometry.apply(open_any(path, None, draft=geometry.draft))
     pixels = np.asarray(img, dtype=np.uint8)
     if img.mode == "L":
         return np.repeat(pixels[None], 3, axis=0), True

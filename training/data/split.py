@@ -20,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from trainflow_serving.images import Geometry, as_geometry
 from training.config import SplitSpec
 from training.data.images import ImageCheck, check_image
 from training.data.labels import DatasetError, given_splits
@@ -48,12 +49,12 @@ def check_images(root: Path, relpaths: list[str]) -> list[ImageCheck]:
 
 
 def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path,
-                  sides: dict[str, int] | None = None,
+                  sides: dict[str, Geometry | int] | None = None,
                   on_progress: Callable[[int, int], None] = lambda done, total: None,
                   ) -> SplitResult:
     """Check every image and write the manifest.
 
-    With `sides` (split -> the image side a training decodes it at), the check is the
+    With `sides` (split -> the geometry a training decodes it at), the check is the
     training's decode: each image is decoded once, at its split's side, into the decode store
     (training/data/store.py), and the training finds it there. Without, each image is decoded
     at the smallest scale that still reads every byte.
@@ -152,10 +153,11 @@ def _assignment(result: SplitResult) -> dict[str, str]:
     return {rel: split for rel, _, split in read_manifest(result.manifest)}
 
 
-def _by_side(assignment: dict[str, str], sides: dict[str, int]) -> dict[int, list[str]]:
-    wanted: dict[int, list[str]] = defaultdict(list)
+def _by_side(assignment: dict[str, str], sides: dict[str, Geometry | int]
+             ) -> dict[Geometry, list[str]]:
+    wanted: dict[Geometry, list[str]] = defaultdict(list)
     for rel, split in sorted(assignment.items()):
-        wanted[sides[split]].append(rel)
+        wanted[as_geometry(sides[split])].append(rel)
     return dict(wanted)
 
 
@@ -209,8 +211,8 @@ def clean_up(folder: Path, keep: set[str]) -> None:
     """
     for legacy in folder.glob("*/cache"):
         shutil.rmtree(legacy, ignore_errors=True)
-    for index in folder.glob("decoded/*px/index.json"):
-        compact(DecodeStore(folder, int(index.parent.name.removesuffix("px"))), keep)
+    for index in folder.glob("decoded/*/index.json"):
+        compact(DecodeStore(folder, Geometry.parse(index.parent.name)), keep)
     prune_stores(folder)
 
 

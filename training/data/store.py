@@ -1,6 +1,7 @@
-"""Decoded images, one decode per file: a memory-mapped uint8 store per image side.
+"""Decoded images, one decode per file: a memory-mapped uint8 store per image geometry.
 
-    <split folder>/decoded/<side>px/
+    <split folder>/decoded/<side>px/          (squashed to side x side)
+    <split folder>/decoded/<side>px-of-<r>/   (shorter side to r, centre side x side crop)
         index.json      {"data": "images-<n>.u8", "rows": R,
                          "files": {relpath: [row, size, mtime_ns, grayscale]}}
         images-<n>.u8   R rows of uint8 [3, side, side], raw, memory-mapped
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import shutil
@@ -29,9 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from trainflow_serving.images import Geometry, as_geometry
 from training.data.decode_pass import Outcome, WorkItem, decode_all
 from training.data.rows import file_of
-from training.storage import write_json_atomic
+from training.storage import file_lock, write_json_atomic
 
 CHANNELS = 3
 KEPT_SIDES = 4  # stores per split folder: a training with augmentation uses two sides
@@ -53,9 +54,10 @@ DECODER = 2
 
 
 class DecodeStore:
-    def __init__(self, split_folder: Path, side: int):
-        self.side = side
-        self.folder = split_folder / "decoded" / f"{side}px"
+    def __init__(self, split_folder: Path, side: int | Geometry):
+        self.geometry = as_geometry(side)
+        self.side = self.geometry.side
+        self.folder = split_folder / "decoded" / self.geometry.name
         self.index_path = self.folder / "index.json"
 
     @property
@@ -65,9 +67,7 @@ class DecodeStore:
     @contextlib.contextmanager
     def locked(self, exclusive: bool) -> Iterator[dict]:
         """The index, read under a lock: one writer at a time, readers never see a partial one."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with open(self.folder / "lock", "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        with file_lock(self.folder / "lock", exclusive):
             yield self._read_index()
 
     def _read_index(self) -> dict:
@@ -103,15 +103,17 @@ class DecodeStore:
                        [bool(e[3]) for e in entries])
 
 
-def decode_into_stores(root: Path, wanted: dict[int, list[str]], split_folder: Path,
+def decode_into_stores(root: Path, wanted: dict[Geometry, list[str]], split_folder: Path,
                        on_progress: Callable[[int, int], None] = lambda done, total: None,
                        ) -> dict[str, Outcome]:
-    """Make sure each store side in `wanted` has a current row for each of its files.
+    """Make sure each store in `wanted` (by geometry; an int is a squashed side) has a current
+    row for each of its files.
 
     Everything missing, over all sides, is decoded in one pass over every core. Returns what
     each decoded file turned out to be (ok and grayscale, or the reason it is unusable);
     files that were already in their stores are not in it.
     """
+    wanted = {as_geometry(side): files for side, files in wanted.items()}
     stores = {side: DecodeStore(split_folder, side) for side in sorted(wanted)}
     with contextlib.ExitStack() as held:
         indexes = {side: held.enter_context(store.locked(exclusive=True))
@@ -123,13 +125,13 @@ def decode_into_stores(root: Path, wanted: dict[int, list[str]], split_folder: P
             if not todo:
                 continue
             data = _extend(store, index, len(todo))
-            items += [WorkItem(rel, str(data), side, index["rows"] + i)
+            items += [WorkItem(rel, str(data), side.side, index["rows"] + i, side.resize)
                       for i, rel in enumerate(todo)]
         outcomes = decode_all(root, items, on_progress) if items else []
-        by_side: dict[int, list[tuple[WorkItem, Outcome]]] = {}
+        by_side: dict[Geometry, list[tuple[WorkItem, Outcome]]] = {}
         identity = Identities(root)
         for item, outcome in zip(items, outcomes, strict=True):
-            by_side.setdefault(item.side, []).append((item, outcome))
+            by_side.setdefault(item.geometry, []).append((item, outcome))
         for side, done in by_side.items():
             index, files = indexes[side], indexes[side]["files"]
             for item, outcome in done:
@@ -219,7 +221,7 @@ def compact(store: DecodeStore, keep: set[str]) -> int:
 
 def prune_stores(split_folder: Path, kept: int = KEPT_SIDES) -> list[Path]:
     """Remove all but the `kept` most recently used stores of a split folder."""
-    indexes = sorted(split_folder.glob("decoded/*px/index.json"),
+    indexes = sorted(split_folder.glob("decoded/*/index.json"),
                      key=lambda p: p.stat().st_mtime, reverse=True)
     removed = [p.parent for p in indexes[kept:]]
     for folder in removed:
@@ -228,4 +230,4 @@ def prune_stores(split_folder: Path, kept: int = KEPT_SIDES) -> list[Path]:
 
 
 def store_bytes(split_folder: Path) -> int:
-    return sum(p.stat().st_size for p in split_folder.glob("decoded/*px/images-*.u8"))
+    return sum(p.stat().st_size for p in split_folder.glob("decoded/*/images-*.u8"))
