@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -32,6 +33,19 @@ def redacted(uri: str) -> str:
         return uri
     host = parts.netloc.rsplit("@", 1)[1]
     return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, exclusive: bool = True) -> Iterator[None]:
+    """The home's one lock: an advisory lock (flock) on `path`, held for the block. Whoever
+    writes a shared thing (a dataset's files, a decode store) holds it exclusively and checks
+    again, under it, whether another process already wrote it; readers of a thing that
+    changes in place hold it shared. The kernel releases it when a process dies, so a killed
+    writer never leaves it held."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from training.config import DatasetSpec
 from training.data.kaggle import COMPLETE_MARKER, KaggleCredentials, download
 from training.data.labels import DatasetError, list_labelled_files
 from training.data.tables import prepare_tables, table_digest, table_pairs, tables_root
-from training.storage import sha256_file
+from training.storage import file_lock, sha256_file
 
 
 class DatasetRef(BaseModel):
@@ -127,6 +127,16 @@ def write_digits(root: Path) -> Path:
     """
     if (root / COMPLETE_MARKER).is_file():
         return root
+    # Several first runs on a fresh home write it at once: one does, under the lock; the
+    # others wait and find it whole (before, a second writer replaced the folder under the
+    # first's reader).
+    with file_lock(root.parent / f".{root.name}.lock"):
+        if not (root / COMPLETE_MARKER).is_file():
+            _write_digits(root)
+    return root
+
+
+def _write_digits(root: Path) -> None:
     import numpy as np
     from PIL import Image
     from sklearn.datasets import load_digits
@@ -141,12 +151,11 @@ def write_digits(root: Path) -> Path:
             folder.mkdir(exist_ok=True)
             Image.fromarray(image).save(folder / f"digit_{index:04d}.png")
         (staging / COMPLETE_MARKER).write_text("scikit-learn load_digits\n")
-        if root.exists():
+        if root.exists():  # an incomplete copy: no reader takes it (no marker)
             shutil.rmtree(root)
         staging.rename(root)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return root
 
 
 __all__ = ["DatasetError", "DatasetRef", "prepare", "check_source", "source_root", "write_digits"]

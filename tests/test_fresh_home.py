@@ -1,0 +1,51 @@
+"""Several first runs on a fresh home at the same instant (a deploy, a schedule boundary):
+one writes each shared thing, the others wait and reuse it, and nothing is read half-written."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _prepare_and_split(home: str, start, out) -> None:
+    from pathlib import Path
+
+    from training.config import DatasetSpec, SplitSpec
+    from training.data.sources import prepare
+    from training.data.split import split_dataset
+
+    start.wait(timeout=60)  # every process leaves the barrier at once
+    try:
+        ref = prepare(DatasetSpec(source="builtin:digits"), Path(home))
+        split = split_dataset(ref, SplitSpec(), Path(home), {"train": 10, "val": 8, "test": 8})
+        out.put(json.dumps({"fingerprint": ref.fingerprint, "manifest": split.manifest_sha256,
+                            "images": ref.image_count}))
+    except BaseException as e:
+        out.put(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_three_first_runs_prepare_and_split_the_builtin_digits_at_once(tmp_path, round_):
+    context = multiprocessing.get_context("spawn")
+    start, out = context.Barrier(3), context.Queue()
+    home = tmp_path / "home"
+    runs = [context.Process(target=_prepare_and_split, args=(str(home), start, out))
+            for _ in range(3)]
+    for run in runs:
+        run.start()
+    results = [json.loads(out.get(timeout=300)) for _ in runs]
+    for run in runs:
+        run.join(timeout=60)
+    assert [r.get("error") for r in results] == [None] * 3
+    assert len({(r["fingerprint"], r["manifest"]) for r in results}) == 1
+    assert results[0]["images"] == 1797
+    copies = [p for p in (home / "datasets" / "builtin").iterdir() if not p.name.endswith(".lock")]
+    assert [p.name for p in copies] == ["digits"]  # one copy, no staging folder left
+    # Each image decoded once: the stores hold one row per file, none written twice.
+    for index in home.glob("splits/*/decoded/*/index.json"):
+        stored = json.loads(index.read_text())
+        assert stored["rows"] == len(stored["files"]), index.parent.name
