@@ -32,7 +32,6 @@ from safetensors.torch import save_model
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchvision import transforms
 
-from training.data.cache import CROP_SCALE
 from training.data.split import read_manifest
 from training.handoff import TrainJob
 from training.models.build import build_model, input_channels, normalization
@@ -61,7 +60,7 @@ def make_datasets(job: TrainJob, augment: str | None = None) -> tuple[Dataset, D
     mean, std = normalization(spec.model, spec.pretrained, channels)
     augment = spec.augment if augment is None else augment
     size = spec.image_size
-    steps = ([transforms.RandomResizedCrop(size, scale=CROP_SCALE)] if augment != "none"
+    steps = ([transforms.RandomResizedCrop(size, scale=(spec.crop_min_scale, 1.0))] if augment != "none"
              else [transforms.Resize((size, size))])
     steps += [transforms.RandomHorizontalFlip()] if augment == "crop_flip" else []
     train_tf = transforms.Compose(steps + [transforms.ToTensor(), transforms.Normalize(mean, std)])

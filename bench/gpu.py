@@ -32,6 +32,7 @@ import torch
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 HEADING = "## GPU benchmark (bench/gpu.py)"
+CROP_SCALE = (0.7, 1.0)  # training's crop_min_scale from scratch
 
 
 class Images:
@@ -46,12 +47,29 @@ class Images:
         return self.rows[i]
 
 
+class Augmented(torch.utils.data.Dataset):
+    """Training's per-image augmentation run in the loader (its workers), not on the device."""
+
+    def __init__(self, inner, augment):
+        self.inner, self.augment = inner, augment
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        image, label = self.inner[i]
+        return self.augment(image), label
+
+
 def loader_rate(side: int, workers: int, batches: int, batch: int) -> float:
     from torch.utils.data import DataLoader
 
+    from training.config import TrainingSpec
+    from training.data.augment import augmentation
     from training.data.cache import CachedImages
 
-    data = CachedImages(Images(batch * batches, int(side * 1.15)), side, "crop_flip")
+    data = Augmented(CachedImages(Images(batch * batches, int(side * 1.15))),
+                     augmentation(TrainingSpec(image_size=side, augment="crop_flip")))
     loader = DataLoader(data, batch_size=batch, num_workers=workers, shuffle=True,
                         persistent_workers=workers > 0)
     started = time.perf_counter()
@@ -63,8 +81,6 @@ def crop_flip_on_device(batch: torch.Tensor, side: int) -> torch.Tensor:
     """uint8 [N, C, H, W] on the device -> float [N, C, side, side]: per image a random square
     crop of CROP_SCALE of its area and a coin-flip mirror, as CachedImages does per sample."""
     import torch.nn.functional as F
-
-    from training.data.cache import CROP_SCALE
 
     n, device = batch.shape[0], batch.device
     scale = torch.empty(n, device=device).uniform_(*CROP_SCALE).sqrt()  # side of the crop
@@ -83,7 +99,7 @@ def device_augment_rate(device: str, side: int, batches: int, batch: int) -> flo
 
     from training.data.cache import CachedImages
 
-    data = CachedImages(Images(batch * batches, int(side * 1.15)), side, "none")
+    data = CachedImages(Images(batch * batches, int(side * 1.15)))
     loader = DataLoader(data, batch_size=batch, shuffle=True, pin_memory=device == "cuda")
     started, seen = time.perf_counter(), 0
     for images, labels in loader:

@@ -122,8 +122,11 @@ def loader_table(splits, home: Path, epochs: int) -> list[str]:
     shutil.rmtree(job.manifest.parent.parent / "decoded", ignore_errors=True)
 
     def ours():
-        return CachedImages(decode_split(job.split, "train", cache_side(64, True), 3), 64,
-                            augment=True)
+        from bench.gpu import Augmented
+        from training.data.augment import augmentation
+
+        return Augmented(CachedImages(decode_split(job.split, "train", cache_side(64, True), 3)),
+                         augmentation(job.training.model_copy(update={"augment": "crop_flip"})))
 
     lines = ["| input pipeline, jpeg 64px, batch 32, 1 process | epoch 1 img/s | epochs 2+ img/s |",
              "|---|---|---|"]

@@ -184,15 +184,23 @@ def check_training(training: TrainingSpec, gpus: list[Gpu] | None = None) -> Non
             'mixed_precision="bf16" on this machine would be emulated: it has no GPU and its '
             "CPU has no bf16 instructions (avx512_bf16, amx_bf16), which makes training many "
             'times slower than fp32; use mixed_precision="no" here, bf16 on a GPU')
+    if training.batchnorm == "sync" and not gpus:
+        raise PreflightError('training.batchnorm="sync" needs CUDA GPUs (torch\'s '
+                             'SyncBatchNorm); on this machine use "frozen", "train" or "auto"')
     if training.num_machines > 1:
         check_machines(training)
     if ":" in training.model:
         from trainflow_serving.networks import UserModelError, build_network
 
         try:
-            build_network(training.model, num_classes=2, channels=3, image_size=32)
+            network = build_network(training.model, num_classes=2, channels=3, image_size=32)
         except UserModelError as e:
             raise PreflightError(str(e)) from None
+        check_head(network, training.head)
+    elif training.head:
+        from trainflow_serving.networks import build_network
+
+        check_head(build_network(training.model, 2, 3, training.image_size), training.head)
     if training.weights and not Path(training.weights).is_file():
         raise PreflightError(f"training.weights {training.weights} does not exist on this "
                              "machine; give the path of a safetensors or state-dict file")
@@ -208,6 +216,22 @@ def check_training(training: TrainingSpec, gpus: list[Gpu] | None = None) -> Non
             raise PreflightError(f"pretrained weights for {training.model} are not in the torch "
                                  f"cache: expected {path}; copy them there or set "
                                  "training.pretrained=false")
+
+
+def check_head(network, head: str | None) -> None:
+    """The head a new one replaces is there and is a Linear layer, before any download."""
+    from torch import nn
+
+    from training.models.build import head_name
+
+    try:
+        name = head_name(network, head)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
+    kind = type(network.get_submodule(name)).__name__
+    if not isinstance(network.get_submodule(name), nn.Linear):
+        raise PreflightError(f"training.head {name!r} is a {kind}, not an nn.Linear; name the "
+                             "network's Linear classifier")
 
 
 def check_machines(training: TrainingSpec) -> None:

@@ -100,6 +100,7 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         best_metrics=result.best,
         history=result.history,
         world_size=result.world_size,
+        chosen_by=result.chosen_by,
         mlflow_unsent=unsent,
         test_metrics=test_metrics,
         test_dir=Path(predicted.out) if predicted else None,
@@ -189,6 +190,8 @@ def train_model(split: SplitResult, training: TrainingSpec, output_dir: Path,
         logger.warning("%d metric batches could not be logged to MLflow; weights are safe at %s",
                        result.mlflow_unsent, result.weights)
     best = result.best_metrics  # its every figure was on that epoch's line
-    logger.info("best epoch %d of %d: val_accuracy=%.4g val_loss=%.4g", result.best_epoch,
-                len(result.history), best.val_accuracy, best.val_loss)
+    chosen = ("the last, the val split being too small to choose on"
+              if result.chosen_by == "last" else f"chosen by {result.chosen_by}")
+    logger.info("kept epoch %d of %d (%s): val_accuracy=%.4g val_loss=%.4g", result.best_epoch,
+                len(result.history), chosen, best.val_accuracy, best.val_loss)
     return result

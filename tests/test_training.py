@@ -303,20 +303,20 @@ def test_batchnorm_is_synced_across_gpu_ranks_and_its_weights_load_into_plain_ba
         digits_split, tmp_path, device, processes, synced):
     import torch
 
-    from training.train import make_model
+    from training.train import batchnorm_mode, make_model
 
     _, split = digits_split
     job = TrainJob(split=split, output_dir=tmp_path, training={"model": "resnet18",
                                                                 "image_size": 32})
-    model = make_model(job, device, processes)
-    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    model = make_model(job, batchnorm_mode(job.training, device, processes))
+    norms = [m for m in model.modules()
+             if isinstance(m, torch.nn.BatchNorm2d | torch.nn.SyncBatchNorm)]
     assert len(norms) == 20
     assert all(isinstance(m, torch.nn.SyncBatchNorm) for m in norms) == synced
     assert any(isinstance(m, torch.nn.SyncBatchNorm) for m in norms) == synced
     # What is saved from a synced model loads, strictly, into the plain network that serves.
     plain = build_model("resnet18", len(split.class_names), 3, 32)
     plain.load_state_dict(model.state_dict(), strict=True)
-    off = job.model_copy(update={"training": job.training.model_copy(
-        update={"sync_batchnorm": False})})
+    off = job.training.model_copy(update={"batchnorm": "train"})
     assert not any(isinstance(m, torch.nn.SyncBatchNorm)
-                   for m in make_model(off, device, processes).modules())
+                   for m in make_model(job, batchnorm_mode(off, device, processes)).modules())

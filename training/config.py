@@ -265,6 +265,31 @@ def default_lr(model: str) -> float:
     return 1e-2 if model == "basicnet" else 5e-3
 
 
+FINE_TUNING = {"image_size": 224, "fit": "crop", "augment": "crop_flip", "crop_min_scale": 0.35,
+               "optimizer": "sgd", "lr": 1e-2, "backbone_lr_factor": 0.1, "freeze_epochs": 0.0,
+               "label_smoothing": 0.1}
+"""The recipe's defaults when training starts from pretrained weights or a weights file: the
+ImageNet habits the weights were made with (224 px, aspect kept, random resized crops and
+flips) and a fine-tune's rates (bench/RESULTS.md, "Fine-tuning real weights")."""
+FROM_SCRATCH = {"image_size": 28, "fit": "squash", "augment": "none", "crop_min_scale": 0.7,
+                "optimizer": "adam", "backbone_lr_factor": 1.0, "freeze_epochs": 0.0,
+                "label_smoothing": 0.1}
+
+
+def fine_tuning(fields: dict[str, Any]) -> bool:
+    return bool(fields.get("pretrained") or fields.get("weights"))
+
+
+def recipe_default(name: str):
+    """A default that follows the starting weights: FINE_TUNING's with pretrained weights or a
+    weights file, else FROM_SCRATCH's."""
+    def factory(fields: dict[str, Any]):
+        if name == "lr" and not fine_tuning(fields):
+            return default_lr(fields.get("model", "basicnet"))
+        return (FINE_TUNING if fine_tuning(fields) else FROM_SCRATCH)[name]
+    return factory
+
+
 class TrainingSpec(Spec):
     """What to train and how, including how `accelerate launch` is called."""
 
@@ -284,29 +309,54 @@ class TrainingSpec(Spec):
         "state dict saved with torch.save (read without unpickling code). The head is new "
         "when the file's has another class count; inputs are normalised as for ImageNet.")
     image_size: Annotated[int, Role.RECIPE] = Field(
-        28, ge=8, le=1024, description="Square input size in pixels.")
+        default_factory=recipe_default("image_size"), ge=8, le=1024,
+        description="Square input size in pixels. Default: 224 with pretrained weights or a "
+        "weights file (the ImageNet habit), else 28.")
+    fit: Annotated[Literal["crop", "squash"], Role.RECIPE] = Field(
+        default_factory=recipe_default("fit"),
+        description="How an image becomes a square. crop: its aspect kept, the shorter side "
+        "resized to 8/7 of image_size (256 for 224) and the centre cut out, at evaluation and "
+        "serving (training crops from the same resize); the default with pretrained weights or "
+        "a weights file, which were trained so. squash: the whole image resized to the square; "
+        "the default from scratch (digits, icons).")
     epochs: Annotated[int, Role.BUDGET] = Field(2, ge=1, le=10_000)
     batch_size: Annotated[int, Role.RECIPE] = Field(
         16, ge=1, le=65_536, description="Per process. Small models on small data are short of "
         "optimizer steps, not epochs (bench/RESULTS.md, the demo's recipe: batch 16 and lr 0.01 "
         "took basicnet on digits from a median of 0.972 to 0.983 in 3 epochs).")
     lr: Annotated[float, Role.RECIPE] = Field(
-        default_factory=lambda fields: default_lr(fields["model"]), gt=0, le=10,
+        default_factory=recipe_default("lr"), gt=0, le=10,
         description="Peak learning rate (of the head, with backbone_lr_factor). Default: 0.01 "
         "for basicnet, 0.005 for other models, for training from scratch with the onecycle "
         "schedule (bench/RESULTS.md: digits 0.944 -> 0.983 in 3 epochs); fine-tuning "
-        "pretrained weights wants about 1e-3 with backbone_lr_factor 0.1.")
+        "(pretrained weights or a weights file): 0.01 for the new head, the backbone at "
+        "backbone_lr_factor 0.1 of it.")
     optimizer: Annotated[Literal["adam", "adamw", "sgd"], Role.RECIPE] = Field(
-        "adam", description='"adam", "adamw" or "sgd".')
+        default_factory=recipe_default("optimizer"), description='"adam", "adamw" or "sgd" '
+        "(momentum 0.9). Default: adam from scratch, sgd when fine-tuning.")
     weight_decay: Annotated[float, Role.RECIPE] = Field(0.0, ge=0)
-    augment: Annotated[Literal["none", "crop", "crop_flip"], Role.RECIPE] = Field(
-        "none",
-        description="none: resize only; right for digits, text and short trainings, and the "
-        "tutorial's recipe. crop: a random crop of 70-100% of the image, resized; for objects "
-        "that move and change size in the frame. crop_flip: crop plus a left-right flip; for "
-        "natural photos where a mirror image is the same class (cats, dogs), never for digits "
-        "or text.",
+    augment: Annotated[Literal["none", "crop", "crop_flip", "trivialaugment", "randaugment"],
+                       Role.RECIPE] = Field(
+        default_factory=recipe_default("augment"),
+        description="none: resize only; right for digits, text and short trainings (the "
+        "default from scratch). crop: a random resized crop of crop_min_scale-100% of the "
+        "image; for objects that move and change size in the frame. crop_flip: crop plus a "
+        "left-right flip; for natural photos where a mirror image is the same class (cats, "
+        "dogs), never for digits or text; the default when fine-tuning. trivialaugment, "
+        "randaugment: crop_flip plus torchvision's TrivialAugmentWide or RandAugment, for "
+        "longer trainings. Applied per image on the device, to the decoded uint8 images.",
     )
+    normalization: Annotated[Literal["auto", "imagenet", "inception"], Role.RECIPE] = Field(
+        "auto", description="The input statistics the weights expect. imagenet: torchvision's "
+        "mean and std; inception: [-1, 1] (mean 0.5, std 0.5: Inception, TensorFlow's "
+        "EfficientNet-Lite, many timm weights). auto: the weights' own (timm's pretrained_cfg, "
+        "or a user module's `pretrained_cfg = {\"mean\": ..., \"std\": ...}`), else imagenet "
+        "for pretrained weights and weights files, and 0.5 +- 0.5 from scratch.")
+    crop_min_scale: Annotated[float, Role.RECIPE] = Field(
+        default_factory=recipe_default("crop_min_scale"), gt=0, le=1,
+        description="The smallest share of the image's area a random crop keeps (torchvision's "
+        "RandomResizedCrop scale=(crop_min_scale, 1)). Default 0.35 when fine-tuning, 0.7 from "
+        "scratch (short trainings lose accuracy to heavy crops).")
     lr_schedule: Annotated[Literal["constant", "cosine", "onecycle", "step"], Role.RECIPE] = Field(
         "onecycle",
         description="Per-step learning rate, from torch's schedulers: onecycle (OneCycleLR: up "
@@ -329,15 +379,20 @@ class TrainingSpec(Spec):
         "batch_size x processes x this."
     )
     label_smoothing: Annotated[float, Role.RECIPE] = Field(
-        0.1, ge=0, lt=1, description="Cross-entropy label smoothing (0.1 as torchvision's "
+        default_factory=recipe_default("label_smoothing"), ge=0, lt=1,
+        description="Cross-entropy label smoothing (0.1 as torchvision's "
         "recipes; measured with the default lr and schedule in bench/RESULTS.md).")
     channels_last: Annotated[bool, Role.RECIPE] = Field(
         True, description="NHWC memory layout for convolutions (measured 1.05-1.15x faster "
         "steps on CPU for basicnet, resnet18, mobilenet_v3_small, vgg16: bench/RESULTS.md).")
-    sync_batchnorm: Annotated[bool, Role.RECIPE] = Field(
-        True, description="With several GPU processes, BatchNorm takes its statistics over "
-        "every rank's batch (torch's SyncBatchNorm), as one process would; CPU processes keep "
-        "their own (SyncBatchNorm runs on CUDA only).")
+    batchnorm: Annotated[Literal["auto", "train", "frozen", "sync"], Role.RECIPE] = Field(
+        "auto", description="BatchNorm during training. train: each rank's own batch "
+        "statistics. sync: statistics over every rank's batch (torch's SyncBatchNorm; CUDA "
+        "only). frozen: the running statistics the weights came with, the layers in eval mode "
+        "(their scale and shift still learn), as detectron2's FrozenBatchNorm. auto: sync with "
+        "several CUDA processes; frozen when fine-tuning with fewer than "
+        "32 images per rank (a few images' statistics are noise beside ImageNet's); else "
+        "train. The choice is logged with the run's parameters (batchnorm_used).")
     compile: Annotated[bool, Role.RECIPE] = Field(
         False, description="torch.compile the model (slow first epoch).")
     loader_workers: Annotated[int | Literal["auto"], Role.RECIPE] = Field(
@@ -349,9 +404,27 @@ class TrainingSpec(Spec):
         False, description="Train only the new classification head (with pretrained=true)."
     )
     backbone_lr_factor: Annotated[float, Role.RECIPE] = Field(
-        1.0, gt=0, le=1, description="The backbone's learning rate is lr x this; the head's is "
-        "lr (fine-tuning a pretrained model: e.g. 0.1)."
-    )
+        default_factory=recipe_default("backbone_lr_factor"), gt=0, le=1,
+        description="The backbone's learning rate is lr x this; the head's is lr. Default: 0.1 "
+        "when fine-tuning (the pretrained layers move less than the new head), else 1.")
+    freeze_epochs: Annotated[float, Role.RECIPE] = Field(
+        default_factory=recipe_default("freeze_epochs"), ge=0,
+        description="Train the head alone for this many epochs (fractions allowed) before "
+        "every layer learns, as fastai's fine_tune: the new head's first, random gradients "
+        "do not reach the pretrained layers. Needs pretrained weights or a weights file.")
+    head: Annotated[str | None, Role.RECIPE] = Field(
+        None, description="The classifier head's module name (e.g. \"fc\", "
+        "\"classifier.1\"), replaced for the new classes and trained at the full lr. None: "
+        "timm's get_classifier(), else the last nn.Linear of the network.")
+    choose_epoch: Annotated[Literal["auto", "val_loss", "val_accuracy", "last"],
+                            Role.RECIPE] = Field(
+        "auto", description="Which epoch's weights are kept. val_loss: the lowest validation "
+        "loss (steadier than accuracy on a few hundred images); val_accuracy: the highest "
+        "accuracy, ties by loss; last: the last epoch. auto: val_loss, or last when the val "
+        "split has fewer than choose_min_val_images images, where either is noise.")
+    choose_min_val_images: Annotated[int, Role.RECIPE] = Field(
+        100, ge=0, description="With choose_epoch auto: the smallest val split the epoch is "
+        "chosen on; below it the last epoch is kept, and the run says why.")
     num_processes: Annotated[int | Literal["auto"], Role.LAUNCH] = Field(
         "auto", description='Processes on this machine; "auto": the GPUs, or 2 on a CPU machine.'
     )
@@ -452,6 +525,14 @@ class TrainingSpec(Spec):
             raise ValueError(f"training.pretrained loads torchvision's weights, which "
                              f"{self.model} has none of: give training.weights, or load the "
                              "weights in your callable")
+        if self.freeze_epochs and not (self.pretrained or self.weights):
+            raise ValueError("training.freeze_epochs trains a new head on pretrained weights: "
+                             "set training.pretrained=true or training.weights, or "
+                             "freeze_epochs=0")
+        if self.freeze_epochs and self.freeze_epochs >= self.epochs:
+            raise ValueError(f"training.freeze_epochs {self.freeze_epochs:g} leaves no epoch for "
+                             f"every layer: keep it below training.epochs {self.epochs}, e.g. "
+                             "freeze_epochs=1 with epochs=3")
         if self.freeze_backbone and self.model == "basicnet":
             raise ValueError('training.freeze_backbone needs a torchvision model, e.g. "resnet18"')
         return self

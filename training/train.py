@@ -24,6 +24,7 @@ import argparse
 import math
 import os
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from torch.utils.data import DataLoader
 
 from trainflow_serving.networks import Normalize
 from training.config import PER_MACHINE, TrainingSpec
+from training.data.augment import augmentation
 from training.data.cache import CachedImages, decode_split
 from training.data.sides import split_sides
 from training.engine.checkpoint import Checkpointer, TrainerState, project_configuration
@@ -52,7 +54,13 @@ from training.engine.hooks import rank_hooks
 from training.engine.loop import Learner, train_one_epoch, validate
 from training.engine.preemption import EpochSoFar, PreemptionNotice, StopForPreemption
 from training.engine.progress import ProgressWriter, Rank, start_rank, task_reports
-from training.engine.schedule import EarlyStopping, continue_after, make_optimizer, make_scheduler
+from training.engine.schedule import (
+    EarlyStopping,
+    backbone_parameters,
+    continue_after,
+    make_optimizer,
+    make_scheduler,
+)
 from training.handoff import TrainJob, job_for_ranks
 from training.models.build import load_trained, model_for, preprocessing_for
 from training.processes import die_with_parent, exit_after_teardown
@@ -65,7 +73,8 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
     set_seed(spec.seed)
     cuda_defaults(accelerator, spec)
     train_loader, val_loader = make_loaders(job, accelerator, progress)
-    model = make_model(job, accelerator.device.type, accelerator.num_processes)
+    batchnorm = batchnorm_mode(spec, accelerator.device.type, accelerator.num_processes)
+    model = make_model(job, batchnorm)
     optimizer = make_optimizer(spec, model)
     model, optimizer, train_loader, val_loader = prepare_then_seed_per_rank(
         accelerator, rank, spec, model, optimizer, train_loader, val_loader)
@@ -78,7 +87,10 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
     accelerator.register_for_checkpointing(scheduler, stopper)  # before any load_state
     pre = preprocessing_for(job)
     learner = Learner(accelerator, stepping, optimizer, scheduler,
-                      Normalize(pre.mean, pre.std).to(accelerator.device), spec, rank, progress)
+                      Normalize(pre.mean, pre.std).to(accelerator.device), spec, rank, progress,
+                      augment=augmentation(spec), batchnorm=batchnorm,
+                      freeze_steps=round(spec.freeze_epochs * steps),
+                      backbone=backbone_parameters(optimizer))
     checkpoints = Checkpointer(accelerator, rank, job, model)
     notice = PreemptionNotice()  # from here on, a SIGTERM saves before it stops
     state = (checkpoints.resume() if resume else None) or TrainerState()
@@ -89,7 +101,12 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
     if state.epoch or so_far:  # mid-epoch, the restored schedule is exactly where it stopped
         progress.emit(Resumed, checkpoint=str(checkpoints.latest()), epoch=state.epoch,
                       batches=so_far.batches if so_far else 0)
-    report_params(job, accelerator, rank, progress, train_loader, val_loader)
+    choice = epoch_choice(spec, len(val_loader.dataset))
+    state.chosen_by = choice.by
+    report_params(job, accelerator, rank, progress, train_loader, val_loader,
+                  {"batchnorm_used": batchnorm, "epoch_chosen_by": choice.by})
+    if rank.main and choice.why:
+        print(f"[rank {rank.index}] {choice.why}", flush=True)
 
     last = state.epoch if stopper.stopped else spec.epochs  # a resumed early stop stays stopped
     for epoch in range(state.epoch + 1, last + 1):
@@ -139,10 +156,47 @@ def prepare_then_seed_per_rank(accelerator: Accelerator, rank: Rank, spec: Train
     return prepared
 
 
-def make_model(job: TrainJob, device_type: str = "cpu", processes: int = 1
-               ) -> torch.nn.Module:
+def batchnorm_mode(spec: TrainingSpec, device_type: str, processes: int) -> str:
+    """training.batchnorm decided for this launch: "train", "frozen" or "sync"."""
+    if spec.batchnorm != "auto":
+        if spec.batchnorm == "sync" and device_type != "cuda":
+            raise ValueError("training.batchnorm \"sync\" needs CUDA processes (torch's "
+                             "SyncBatchNorm); on the CPU use \"frozen\" or \"train\"")
+        return spec.batchnorm
+    shared = device_type == "cuda" and processes > 1  # SyncBatchNorm runs on CUDA only
+    per_statistic = spec.batch_size * (processes if shared else 1)
+    if (spec.pretrained or spec.weights) and per_statistic < FROZEN_BELOW:
+        # A few images' mean and variance are noise beside the ones the weights were trained
+        # with; measured on real photos (bench/RESULTS.md, "Fine-tuning real weights").
+        return "frozen"
+    return "sync" if shared else "train"
+
+
+FROZEN_BELOW = 32
+"""With pretrained weights, BatchNorm statistics over fewer images than this are frozen."""
+
+
+@dataclass(frozen=True)
+class EpochChoice:
+    by: str
+    """"val_loss", "val_accuracy" or "last"."""
+    why: str = ""
+
+
+def epoch_choice(spec: TrainingSpec, val_images: int) -> EpochChoice:
+    """How the kept epoch is chosen, and why when it is the last one for want of images."""
+    if spec.choose_epoch != "auto":
+        return EpochChoice(spec.choose_epoch)
+    if val_images < spec.choose_min_val_images:
+        return EpochChoice("last", f"keeping the last epoch, not the best on validation: the "
+                           f"val split has {val_images} images, under choose_min_val_images "
+                           f"{spec.choose_min_val_images}, where choosing is noise")
+    return EpochChoice("val_loss")
+
+
+def make_model(job: TrainJob, batchnorm: str = "train") -> torch.nn.Module:
     model = model_for(job)
-    if job.training.sync_batchnorm and device_type == "cuda" and processes > 1:
+    if batchnorm == "sync":
         # Each rank's BatchNorm would otherwise see only its share of the batch (8 of 16
         # images on 2 GPUs), which measurably costs a fine-tune accuracy (bench/RESULTS.md).
         # The layers keep their parameter names, so the weights load into plain BatchNorm.
@@ -194,15 +248,15 @@ def make_loaders(job: TrainJob, accelerator: Accelerator, progress: ProgressWrit
     loading = {"batch_size": spec.batch_size, "num_workers": workers,
                "persistent_workers": workers > 0,
                "pin_memory": accelerator.device.type == "cuda"}
-    return (DataLoader(CachedImages(train, pre.image_size, spec.augment), shuffle=True,
+    return (DataLoader(CachedImages(train), shuffle=True,
                        generator=torch.Generator().manual_seed(spec.seed), **loading),
-            DataLoader(CachedImages(val, pre.image_size, False),
+            DataLoader(CachedImages(val),
                        generator=torch.Generator().manual_seed(spec.seed), **loading))
 
 
 def report_params(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: ProgressWriter,
-                  train_loader: DataLoader, val_loader: DataLoader) -> None:
-    params = {**job.training.model_dump(exclude=PER_MACHINE), "world_size": rank.world,
+                  train_loader: DataLoader, val_loader: DataLoader, decided: dict) -> None:
+    params = {**job.training.model_dump(exclude=PER_MACHINE), **decided, "world_size": rank.world,
               "loader_workers": train_loader.num_workers,  # what "auto" became here
               "train_images": len(train_loader.dataset), "val_images": len(val_loader.dataset),
               "classes": len(job.split.class_names)}
@@ -215,6 +269,7 @@ def finish(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progre
            state: TrainerState, weights: Path) -> dict:
     accelerator.wait_for_everyone()
     result = {"world_size": rank.world, "best": state.best, "history": state.history,
+              "chosen_by": state.chosen_by,
               "weights": str(weights), "preprocessing": preprocessing_for(job).model_dump()}
     if rank.main:
         load_trained(job, weights)  # the saved weights load strictly before success is reported

@@ -15,11 +15,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from trainflow_serving.images import Geometry
 from training.data.split import read_manifest
 from training.data.store import DecodeStore, decode_into_stores
 from training.handoff import SplitResult
-
-CROP_SCALE = (0.7, 1.0)
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ class SplitImages:
         return np.array(self.images[self.rows[i]])
 
 
-def decode_split(data: SplitResult, split: str, side: int, channels: int,
+def decode_split(data: SplitResult, split: str, side: int | Geometry, channels: int,
                  on_progress: Callable[[int, int], None] = lambda done, total: None,
                  ) -> SplitImages:
     """One split's images at `side`, decoding only what the store does not have yet."""
@@ -63,29 +62,14 @@ def decode_split(data: SplitResult, split: str, side: int, channels: int,
 
 
 class CachedImages(Dataset):
-    """uint8 image tensors from the decode cache, augmented as TrainingSpec.augment says."""
+    """uint8 image tensors from the decode store, as stored: augmentation, when training asks
+    for it, runs per image where the batch is (training.data.augment)."""
 
-    def __init__(self, images: SplitImages, image_size: int, augment: str | bool = "none"):
+    def __init__(self, images: SplitImages):
         self.images, self.labels = images, images.labels
-        augment = {True: "crop_flip", False: "none"}.get(augment, augment)
-        steps = []
-        if augment != "none":
-            # Imported only here: torchvision's import brings torch._dynamo (about 4.5 s a
-            # rank on 2 cores), which a run without augmentation never needs.
-            from torchvision.transforms import v2
-        if augment in ("crop", "crop_flip"):
-            # Mild: heavy crops (down to 8% as in ImageNet, or 50%) cost short trainings accuracy.
-            steps.append(v2.RandomResizedCrop(image_size, scale=CROP_SCALE, antialias=True))
-        if augment == "crop_flip":
-            steps.append(v2.RandomHorizontalFlip())
-        self.transform = v2.Compose(steps) if steps else None
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        image = torch.from_numpy(self.images[i])
-        if self.transform is not None:
-            image = self.transform(image)
-        return image, int(self.labels[i])
-
+        return torch.from_numpy(self.images[i]), int(self.labels[i])

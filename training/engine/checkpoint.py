@@ -58,20 +58,25 @@ class TrainerState:
     history: list[dict] = field(default_factory=list)
     interrupted: dict | None = None
     """The next epoch's part done before a preemption (training.engine.preemption.EpochSoFar)."""
+    chosen_by: str = "val_accuracy"
+    """How the kept epoch is chosen: "val_loss", "val_accuracy" or "last"."""
 
     def record(self, epoch: int, metrics: dict) -> bool:
-        """Add an epoch's metrics; True when it is the best so far."""
+        """Add an epoch's metrics; True when it is the one to keep so far."""
         self.epoch, self.interrupted = epoch, None
         self.history.append({"epoch": epoch, **metrics})
-        if self.best is None or better(metrics, self.best):
+        if self.best is None or better(metrics, self.best, self.chosen_by):
             self.best = {"epoch": epoch, **metrics}
             return True
         return False
 
 
-def better(metrics: dict, best: dict) -> bool:
-    """Higher validation accuracy wins; on a tie, lower validation loss."""
-    if metrics["val_accuracy"] != best["val_accuracy"]:
+def better(metrics: dict, best: dict, by: str = "val_accuracy") -> bool:
+    """By "val_loss": lower loss wins. By "val_accuracy": higher accuracy, on a tie lower loss.
+    By "last": the newer epoch."""
+    if by == "last":
+        return True
+    if by == "val_accuracy" and metrics["val_accuracy"] != best["val_accuracy"]:
         return metrics["val_accuracy"] > best["val_accuracy"]
     return metrics["val_loss"] < best["val_loss"]
 

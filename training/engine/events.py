@@ -145,6 +145,8 @@ class Trained(Event):
     history: list[EpochMetrics]
     weights: str
     preprocessing: dict[str, Any]
+    chosen_by: str = "val_accuracy"
+    """How `best` was chosen: "val_loss", "val_accuracy" or "last" (too few val images)."""
 
 
 class Evaluated(Event):

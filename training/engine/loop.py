@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from accelerate import Accelerator
@@ -13,6 +14,9 @@ from training.engine.events import Heartbeat
 from training.engine.hooks import rank_hooks
 from training.engine.preemption import EpochSoFar, PreemptionNotice, StopForPreemption
 from training.engine.progress import ProgressWriter, Rank
+
+BATCHNORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d,
+              torch.nn.SyncBatchNorm)
 
 
 @dataclass
@@ -27,12 +31,37 @@ class Learner:
     spec: TrainingSpec
     rank: Rank
     progress: ProgressWriter
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """uint8 [C, H, W] -> uint8 [C, image_size, image_size], one image's random draw."""
+    batchnorm: str = "train"
+    """What training.batchnorm became on this rank: "train", "frozen" or "sync"."""
+    freeze_steps: int = 0
+    """Optimizer steps (from the run's start) during which only the head learns."""
+    backbone: list[torch.Tensor] = field(default_factory=list)
 
-    def inputs(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 batch -> the model's normalised float input, in the chosen memory layout."""
+    def inputs(self, images: torch.Tensor, train: bool = False) -> torch.Tensor:
+        """uint8 batch -> the model's normalised float input, in the chosen memory layout;
+        `train`: each image augmented first, where the batch is (on the GPU when there is
+        one), from the uint8 pixels the store holds."""
+        if train and self.augment is not None:
+            images = torch.stack([self.augment(image) for image in images])
         batch = self.normalize(images)
         return batch.contiguous(memory_format=torch.channels_last) if self.spec.channels_last \
             else batch
+
+    @property
+    def head_only(self) -> bool:
+        return self.scheduler.last_epoch < self.freeze_steps
+
+    def set_modes(self) -> None:
+        """Train mode, but for what must not drift: a frozen backbone stays in eval mode
+        (BatchNorm statistics included); frozen BatchNorm, or any while the head learns
+        alone, keeps the statistics the weights came with (scale and shift still learn)."""
+        self.model.train(not self.spec.freeze_backbone)
+        if self.batchnorm == "frozen" or self.head_only:
+            for module in self.model.modules():
+                if isinstance(module, BATCHNORMS):
+                    module.eval()
 
 
 def train_one_epoch(learner: Learner, loader, epoch: int, so_far: EpochSoFar | None = None,
@@ -41,8 +70,7 @@ def train_one_epoch(learner: Learner, loader, epoch: int, so_far: EpochSoFar | N
     agree to stop for a notice, at a step where no gradient is half accumulated."""
     accelerator, model, optimizer = learner.accelerator, learner.model, learner.optimizer
     spec = learner.spec
-    # A frozen backbone stays in eval mode: its BatchNorm statistics must not drift either.
-    model.train(not spec.freeze_backbone)
+    learner.set_modes()
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, correct, images
     done = so_far.batches if so_far else 0
     if done:
@@ -60,13 +88,19 @@ def train_one_epoch(learner: Learner, loader, epoch: int, so_far: EpochSoFar | N
         # gradient_accumulation_steps-th batch, and scales the loss to match.
         with accelerator.accumulate(model):
             with accelerator.autocast():
-                logits = model(learner.inputs(images))
+                logits = model(learner.inputs(images, train=True))
                 loss = torch.nn.functional.cross_entropy(logits, labels,
                                                          label_smoothing=spec.label_smoothing)
             accelerator.backward(loss)
+            head_only = learner.head_only
+            if head_only:  # an optimizer skips a parameter without a gradient: no decay, no
+                for p in learner.backbone:  # momentum, the pretrained weights untouched
+                    p.grad = None
             optimizer.step()
             if accelerator.sync_gradients:
                 learner.scheduler.step()
+                if head_only and not learner.head_only:  # every layer learns from here on
+                    learner.set_modes()
             optimizer.zero_grad(set_to_none=True)
         # Counted on the device: a Python number copied up each step would wait for the GPU.
         totals[0] += loss.detach().float() * labels.numel()

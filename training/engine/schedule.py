@@ -31,8 +31,9 @@ ONECYCLE_RISE = 0.3  # onecycle's rise when warmup_epochs is not given (torch's 
 
 
 def make_optimizer(spec: TrainingSpec, model: nn.Module) -> torch.optim.Optimizer:
-    """Adam, AdamW or SGD (momentum 0.9); the backbone at lr x backbone_lr_factor, or frozen."""
-    head = {id(p) for p in head_of(model).parameters()}
+    """Adam, AdamW or SGD (momentum 0.9); the head (group 0) at lr, the backbone (group 1) at
+    lr x backbone_lr_factor, or frozen."""
+    head = {id(p) for p in head_of(model, spec.head).parameters()}
     backbone = [p for p in model.parameters() if id(p) not in head]
     if spec.freeze_backbone:
         for p in backbone:
@@ -46,6 +47,11 @@ def make_optimizer(spec: TrainingSpec, model: nn.Module) -> torch.optim.Optimize
     if spec.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=spec.lr, weight_decay=spec.weight_decay)
     return torch.optim.Adam(groups, lr=spec.lr, weight_decay=spec.weight_decay)
+
+
+def backbone_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters make_optimizer put in the backbone's group (none when it is frozen)."""
+    return list(optimizer.param_groups[1]["params"]) if len(optimizer.param_groups) > 1 else []
 
 
 def make_scheduler(spec: TrainingSpec, optimizer: torch.optim.Optimizer,

@@ -10,7 +10,9 @@ import torch
 from safetensors.torch import load_file, load_model
 from torch import nn
 
+from trainflow_serving.model_names import is_user_model
 from trainflow_serving.networks import TIMM, build_network
+from training.data.sides import evaluation_geometry
 from training.handoff import Preprocessing, TrainJob
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -22,18 +24,49 @@ def input_channels(model_name: str, data_channels: int) -> int:
     return data_channels if model_name == "basicnet" else 3
 
 
-def normalization(model_name: str, pretrained: bool, channels: int) -> tuple[list[float], list[float]]:
-    """The weights' own for pretrained weights (timm's published statistics, else ImageNet's,
+STATISTICS = {"imagenet": (IMAGENET_MEAN, IMAGENET_STD),
+              "inception": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
+"""Input statistics by name: ImageNet's (torchvision's weights, most weights files) and the
+[-1, 1] scaling of Inception, TensorFlow's EfficientNet-Lite and many timm weights."""
+
+
+def normalization(model_name: str, pretrained: bool, channels: int, named: str = "auto"
+                  ) -> tuple[list[float], list[float]]:
+    """training.normalization: named statistics, or ("auto") the weights' own for pretrained
+    weights (timm's published statistics; a user module's `pretrained_cfg`; else ImageNet's,
     as torchvision's and most weights files were trained), else 0.5 +- 0.5."""
+    if named != "auto":
+        mean, std = STATISTICS[named]
+        return list(mean)[:channels], list(std)[:channels]
     if pretrained and model_name.startswith(TIMM):
         import timm
 
         config = timm.models.get_pretrained_cfg(model_name.removeprefix(TIMM))
         if config is not None and len(config.mean) == channels:
             return list(config.mean), list(config.std)
+    if pretrained and (declared := declared_statistics(model_name)) is not None:
+        return declared
     if pretrained:
         return list(IMAGENET_MEAN), list(IMAGENET_STD)
     return [0.5] * channels, [0.5] * channels
+
+
+def declared_statistics(model_name: str) -> tuple[list[float], list[float]] | None:
+    """A user network's input statistics, declared the way timm's models carry theirs: a
+    `pretrained_cfg = {"mean": (...), "std": (...)}` in the callable's module."""
+    if not is_user_model(model_name):
+        return None
+    import importlib
+
+    module = importlib.import_module(model_name.partition(":")[0])
+    config = getattr(module, "pretrained_cfg", None)
+    if not isinstance(config, dict) or not {"mean", "std"} <= config.keys():
+        return None
+    mean, std = [float(v) for v in config["mean"]], [float(v) for v in config["std"]]
+    if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
+        raise ValueError(f"{model_name}: pretrained_cfg's mean and std must be three numbers "
+                         f"each, std above 0; got {config['mean']!r}, {config['std']!r}")
+    return mean, std
 
 
 def pretrained_weights_file(model_name: str) -> Path:
@@ -45,7 +78,7 @@ def pretrained_weights_file(model_name: str) -> Path:
 
 
 def build_model(model_name: str, num_classes: int, channels: int, image_size: int,
-                pretrained: bool = False) -> nn.Module:
+                pretrained: bool = False, head: str | None = None) -> nn.Module:
     if not pretrained:
         return build_network(model_name, num_classes, channels, image_size)
     if model_name == "basicnet":
@@ -64,7 +97,7 @@ def build_model(model_name: str, num_classes: int, channels: int, image_size: in
         )
     weights = torchvision.models.get_model_weights(model_name).DEFAULT
     model = torchvision.models.get_model(model_name, weights=weights)
-    _replace_head(model, num_classes)
+    _replace_head(model, num_classes, head)
     return model
 
 
@@ -91,22 +124,39 @@ def timm_pretrained(model_name: str, num_classes: int) -> nn.Module:
                              pretrained_cfg_overlay={"file": cached[0]})
 
 
-def _head_name(model: nn.Module) -> str:
-    """The last Linear layer (resnet.fc, vgg.classifier.6, BasicNet.fc2): the classifier head."""
-    name = next((n for n, m in reversed(list(model.named_modules())) if isinstance(m, nn.Linear)),
-                None)
+def head_name(model: nn.Module, named: str | None = None) -> str:
+    """The classifier head's module name: `named` (training.head) when given, else timm's
+    `get_classifier()`, else the last Linear layer (resnet.fc, vgg.classifier.6,
+    BasicNet.fc2, a user module's last nn.Linear)."""
+    modules = dict(model.named_modules())
+    if named:
+        if named not in modules or not named:
+            linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+            raise ValueError(f"training.head {named!r} is not a module of "
+                             f"{type(model).__name__}; its Linear layers: "
+                             f"{', '.join(linears[-4:]) or 'none'}")
+        return named
+    if callable(getattr(model, "get_classifier", None)):
+        classifier = model.get_classifier()
+        found = next((n for n, m in modules.items() if m is classifier and n), None)
+        if found is not None:
+            return found
+    name = next((n for n, m in reversed(modules.items()) if isinstance(m, nn.Linear)), None)
     if name is None:
-        raise ValueError(f"{type(model).__name__} has no Linear head")
+        raise ValueError(f"{type(model).__name__} has no Linear head; name it as training.head")
     return name
 
 
-def head_of(model: nn.Module) -> nn.Module:
-    return model.get_submodule(_head_name(model))
+def head_of(model: nn.Module, named: str | None = None) -> nn.Module:
+    return model.get_submodule(head_name(model, named))
 
 
-def _replace_head(model: nn.Module, num_classes: int) -> None:
+def _replace_head(model: nn.Module, num_classes: int, named: str | None = None) -> None:
     """Swap the head for a new one of `num_classes` outputs, as transfer learning does."""
-    name = _head_name(model)
+    name = head_name(model, named)
+    if not isinstance(model.get_submodule(name), nn.Linear):
+        raise ValueError(f"the head {name!r} of {type(model).__name__} is not an nn.Linear, "
+                         "which a new head replaces; name the Linear layer as training.head")
     parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     in_features = model.get_submodule(name).in_features
     setattr(parent, name.rpartition(".")[2], nn.Linear(in_features, num_classes))
@@ -116,8 +166,13 @@ def preprocessing_for(job: TrainJob) -> Preprocessing:
     """The input the job's model expects: its size, channels and normalisation."""
     spec = job.training
     channels = input_channels(spec.model, job.split.channels)
-    mean, std = normalization(spec.model, spec.pretrained or bool(spec.weights), channels)
-    return Preprocessing(image_size=spec.image_size, channels=channels, mean=mean, std=std)
+    mean, std = normalization(spec.model, spec.pretrained or bool(spec.weights), channels,
+                              spec.normalization)
+    geometry = evaluation_geometry(spec)
+    resize = (f"bilinear, shorter side to {geometry.resize}, centre {geometry.side} crop"
+              if geometry.resize else "bilinear, squashed to a square")
+    return Preprocessing(image_size=spec.image_size, channels=channels, mean=mean, std=std,
+                         crop_from=geometry.resize, resize=resize)
 
 
 def model_for(job: TrainJob, pretrained: bool | None = None) -> nn.Module:
@@ -126,9 +181,9 @@ def model_for(job: TrainJob, pretrained: bool | None = None) -> nn.Module:
     spec = job.training
     model = build_model(spec.model, len(job.split.class_names),
                         input_channels(spec.model, job.split.channels), spec.image_size,
-                        spec.pretrained if pretrained is None else pretrained)
+                        spec.pretrained if pretrained is None else pretrained, spec.head)
     if spec.weights and pretrained is None:
-        load_starting_weights(model, Path(spec.weights), spec.model)
+        load_starting_weights(model, Path(spec.weights), spec.model, spec.head)
     return model
 
 
@@ -150,13 +205,14 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_starting_weights(model: nn.Module, path: Path, model_name: str) -> None:
+def load_starting_weights(model: nn.Module, path: Path, model_name: str,
+                          head: str | None = None) -> None:
     """`path`'s weights into `model`; a head of another class count is left new, as transfer
     learning does. Anything else that does not fit is an error naming the layers."""
     if not path.is_file():
         raise FileNotFoundError(f"training.weights {path} does not exist")
     state = {k.removeprefix("module."): v for k, v in read_state_dict(path).items()}
-    own, head = model.state_dict(), _head_name(model) + "."
+    own, head = model.state_dict(), head_name(model, head) + "."
     resized = {k for k, v in state.items() if k in own and own[k].shape != v.shape}
     missing, unexpected = model.load_state_dict(
         {k: v for k, v in state.items() if k not in resized}, strict=False)
