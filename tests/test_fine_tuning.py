@@ -334,3 +334,18 @@ def test_a_head_that_is_not_there_or_sync_batchnorm_on_a_cpu_is_refused_in_prefl
     with pytest.raises(PreflightError, match='batchnorm="sync" needs CUDA GPUs'):
         check_training(TrainingSpec(**base, batchnorm="sync"), gpus=[])
     check_training(TrainingSpec(**base, head=HEAD), gpus=[])
+
+
+def test_the_input_statistics_are_the_weights_own_unless_named(bn_nets, tmp_path, digits_split):
+    from training.models.build import IMAGENET_MEAN, preprocessing_for
+
+    _, split = digits_split
+
+    def mean_of(**training):
+        return preprocessing_for(TrainJob(split=split, output_dir=tmp_path, training=training)).mean
+
+    user = {"model": "ftnets.convs:bn_net", "weights": str(bn_nets)}
+    assert mean_of(**user) == [0.5, 0.5, 0.5]  # its module's pretrained_cfg
+    assert mean_of(**user, normalization="imagenet") == list(IMAGENET_MEAN)
+    assert mean_of(model="resnet18", pretrained=True) == list(IMAGENET_MEAN)
+    assert mean_of(model="resnet18", pretrained=True, normalization="inception") == [0.5] * 3

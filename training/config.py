@@ -307,7 +307,8 @@ class TrainingSpec(Spec):
     weights: Annotated[str | None, Role.RECIPE] = Field(
         None, description="A weights file to start from, for any model: safetensors, or a "
         "state dict saved with torch.save (read without unpickling code). The head is new "
-        "when the file's has another class count; inputs are normalised as for ImageNet.")
+        "when the file's has another class count; inputs are normalised as training.normalization "
+        "says (ImageNet's statistics unless the model declares its own).")
     image_size: Annotated[int, Role.RECIPE] = Field(
         default_factory=recipe_default("image_size"), ge=8, le=1024,
         description="Square input size in pixels. Default: 224 with pretrained weights or a "

