@@ -97,9 +97,9 @@ def test_the_recipe_defaults_follow_the_starting_weights():
     scratch, tuned = TrainingSpec(), TrainingSpec(model="resnet18", pretrained=True)
     assert (scratch.image_size, scratch.fit, scratch.augment, scratch.optimizer,
             scratch.backbone_lr_factor, scratch.lr) == (28, "squash", "none", "adam", 1.0, 0.01)
-    assert (tuned.image_size, tuned.fit, tuned.augment, tuned.optimizer) == (
-        224, "crop", "crop_flip", "sgd")
-    assert tuned.backbone_lr_factor < 1 and tuned.crop_min_scale < scratch.crop_min_scale
+    assert (tuned.image_size, tuned.fit, tuned.augment, tuned.optimizer, tuned.lr) == (
+        224, "crop", "crop_flip", "adamw", 0.001)
+    assert tuned.backbone_lr_factor == 0.1
     assert TrainingSpec(weights="w.safetensors").fit == "crop"
     # What is given is kept; what is not follows the weights, also when a run's block
     # overrides another field of a deployment's (merged, then validated once).

@@ -265,15 +265,13 @@ def default_lr(model: str) -> float:
     return 1e-2 if model == "basicnet" else 5e-3
 
 
-FINE_TUNING = {"image_size": 224, "fit": "crop", "augment": "crop_flip", "crop_min_scale": 0.35,
-               "optimizer": "sgd", "lr": 1e-2, "backbone_lr_factor": 0.1, "freeze_epochs": 0.0,
-               "label_smoothing": 0.1}
+FINE_TUNING = {"image_size": 224, "fit": "crop", "augment": "crop_flip", "optimizer": "adamw",
+               "lr": 1e-3, "backbone_lr_factor": 0.1, "freeze_epochs": 0.0, "label_smoothing": 0.1}
 """The recipe's defaults when training starts from pretrained weights or a weights file: the
 ImageNet habits the weights were made with (224 px, aspect kept, random resized crops and
 flips) and a fine-tune's rates (bench/RESULTS.md, "Fine-tuning real weights")."""
-FROM_SCRATCH = {"image_size": 28, "fit": "squash", "augment": "none", "crop_min_scale": 0.7,
-                "optimizer": "adam", "backbone_lr_factor": 1.0, "freeze_epochs": 0.0,
-                "label_smoothing": 0.1}
+FROM_SCRATCH = {"image_size": 28, "fit": "squash", "augment": "none", "optimizer": "adam",
+                "backbone_lr_factor": 1.0, "freeze_epochs": 0.0, "label_smoothing": 0.1}
 
 
 def fine_tuning(fields: dict[str, Any]) -> bool:
@@ -330,11 +328,11 @@ class TrainingSpec(Spec):
         description="Peak learning rate (of the head, with backbone_lr_factor). Default: 0.01 "
         "for basicnet, 0.005 for other models, for training from scratch with the onecycle "
         "schedule (bench/RESULTS.md: digits 0.944 -> 0.983 in 3 epochs); fine-tuning "
-        "(pretrained weights or a weights file): 0.01 for the new head, the backbone at "
-        "backbone_lr_factor 0.1 of it.")
+        "(pretrained weights or a weights file): 0.001 for the new head with adamw, the "
+        "backbone at backbone_lr_factor 0.1 of it.")
     optimizer: Annotated[Literal["adam", "adamw", "sgd"], Role.RECIPE] = Field(
         default_factory=recipe_default("optimizer"), description='"adam", "adamw" or "sgd" '
-        "(momentum 0.9). Default: adam from scratch, sgd when fine-tuning.")
+        "(momentum 0.9). Default: adam from scratch, adamw when fine-tuning.")
     weight_decay: Annotated[float, Role.RECIPE] = Field(0.0, ge=0)
     augment: Annotated[Literal["none", "crop", "crop_flip", "trivialaugment", "randaugment"],
                        Role.RECIPE] = Field(
@@ -354,10 +352,10 @@ class TrainingSpec(Spec):
         "or a user module's `pretrained_cfg = {\"mean\": ..., \"std\": ...}`), else imagenet "
         "for pretrained weights and weights files, and 0.5 +- 0.5 from scratch.")
     crop_min_scale: Annotated[float, Role.RECIPE] = Field(
-        default_factory=recipe_default("crop_min_scale"), gt=0, le=1,
+        0.7, gt=0, le=1,
         description="The smallest share of the image's area a random crop keeps (torchvision's "
-        "RandomResizedCrop scale=(crop_min_scale, 1)). Default 0.35 when fine-tuning, 0.7 from "
-        "scratch (short trainings lose accuracy to heavy crops).")
+        "RandomResizedCrop scale=(crop_min_scale, 1)). Heavy crops (ImageNet's 0.08, or 0.35) "
+        "cost short trainings accuracy, from scratch and fine-tuning alike (bench/RESULTS.md).")
     lr_schedule: Annotated[Literal["constant", "cosine", "onecycle", "step"], Role.RECIPE] = Field(
         "onecycle",
         description="Per-step learning rate, from torch's schedulers: onecycle (OneCycleLR: up "
