@@ -20,6 +20,8 @@ from safetensors.torch import load_file, save_file
 from tasks.report import how_split
 from tasks.train import run_training
 from tests.imagegen import photo
+from tests.test_given_splits import write_split_tree
+from tests.user_code import install_package
 from trainflow_serving.images import Geometry, load_resized
 from training.config import DatasetSpec, SplitSpec, TrainingSpec, merge_blocks, validate_blocks
 from training.data.augment import augmentation
@@ -48,19 +50,10 @@ NETS = textwrap.dedent("""
 HEAD = "8"  # bn_net's last Linear
 
 
-def write_tree(root, splits: dict[str, dict[str, int]], size=(40, 28)) -> dict[str, set[str]]:
-    """root/<split>/<class>/<n>.jpg of non-square photos; split -> relative paths."""
-    written: dict[str, set[str]] = {}
-    offset = 0
-    for split, counts in splits.items():
-        for label, n in counts.items():
-            (root / split / label).mkdir(parents=True, exist_ok=True)
-            for i in range(n):
-                image = photo("cat" if label == "ants" else "dog", offset + i, max(size))
-                image.resize(size).save(root / split / label / f"{offset + i}.jpg")
-                written.setdefault(split, set()).add(f"{split}/{label}/{offset + i}.jpg")
-            offset += n
-    return written
+def write_tree(root, splits: dict[str, dict[str, int]]) -> dict[str, set[str]]:
+    """Non-square JPEGs, ants drawn as cats and bees as dogs."""
+    return write_split_tree(root, splits, size=(40, 28), drawn_as={"ants": "cat", "bees": "dog"},
+                            ext="jpg")
 
 
 def test_a_train_and_val_download_is_measured_on_its_val_folder(tmp_path, home):
@@ -184,12 +177,7 @@ def test_the_head_is_found_for_torchvision_timm_style_and_user_networks():
 
 @pytest.fixture
 def bn_nets(tmp_path, monkeypatch):
-    folder = tmp_path / "code"
-    (folder / "ftnets").mkdir(parents=True)
-    (folder / "ftnets" / "__init__.py").write_text("")
-    (folder / "ftnets" / "convs.py").write_text(NETS)
-    monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.setenv("PYTHONPATH", str(folder))
+    install_package(tmp_path / "code", monkeypatch, "ftnets", {"convs": NETS})
     from ftnets.convs import bn_net
 
     torch.manual_seed(7)

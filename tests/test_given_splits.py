@@ -13,16 +13,23 @@ from training.data.sources import prepare
 from training.data.split import read_manifest, split_dataset
 
 
-def write_split_tree(root, splits: dict[str, dict[str, int]]) -> dict[str, set[str]]:
-    """root/<split>/<class>/<n>.png, every image different; returns split -> relative paths."""
+def write_split_tree(root, splits: dict[str, dict[str, int]], size: tuple[int, int] | None = None,
+                     drawn_as: dict[str, str] | None = None, ext: str = "png"
+                     ) -> dict[str, set[str]]:
+    """root/<split>/<class>/<n>.<ext>, every image different (`size`: resized to it, aspect
+    and all; `drawn_as`: a class drawn as another's photos, e.g. ants as cats); returns
+    split -> relative paths."""
     written: dict[str, set[str]] = {}
     offset = 0
     for split, counts in splits.items():
         for label, n in counts.items():
             (root / split / label).mkdir(parents=True, exist_ok=True)
             for i in range(n):
-                photo(label, offset + i).save(root / split / label / f"{offset + i}.png")
-                written.setdefault(split, set()).add(f"{split}/{label}/{offset + i}.png")
+                image = photo((drawn_as or {}).get(label, label), offset + i,
+                              max(size) if size else 24)
+                (image.resize(size) if size else image).save(
+                    root / split / label / f"{offset + i}.{ext}")
+                written.setdefault(split, set()).add(f"{split}/{label}/{offset + i}.{ext}")
             offset += n
     return written
 

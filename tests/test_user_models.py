@@ -23,6 +23,7 @@ from tasks.lineage import FLOW_RUN_ID
 from tasks.preflight import PreflightError, check_training
 from tasks.register import register_model
 from tasks.train import run_training
+from tests.user_code import install_package
 from training.config import RegistrySpec, TrainingSpec
 from training.data.split import read_manifest
 from training.handoff import TrainJob
@@ -44,13 +45,7 @@ NETS = textwrap.dedent("""
 @pytest.fixture
 def user_code(tmp_path, monkeypatch):
     """A package `teamnets` that only this test's path can import (the ranks inherit it)."""
-    folder = tmp_path / "code"
-    (folder / "teamnets").mkdir(parents=True)
-    (folder / "teamnets" / "__init__.py").write_text("")
-    (folder / "teamnets" / "convs.py").write_text(NETS)
-    monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.setenv("PYTHONPATH", str(folder))
-    return folder
+    return install_package(tmp_path / "code", monkeypatch, "teamnets", {"convs": NETS})
 
 
 @pytest.mark.parametrize(("model", "needle"), [
