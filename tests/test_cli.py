@@ -34,7 +34,9 @@ def test_help_lists_every_field_and_exits_zero(tmp_path):
     for flag in ("--dataset.source str", "--training.epochs int", "--training.mixed_precision",
                  "--registry.approval {auto,manual}", "--config", "--json"):
         assert flag in done.stdout, flag
-    assert "Square input size in pixels. (default: 28)" in done.stdout
+    text = " ".join(done.stdout.split())  # as argparse wrapped it
+    assert ("Square input size in pixels. Default: 224 with pretrained weights or a weights "
+            "file (the ImageNet habit), else 28. (default: 28)") in text
 
 
 @pytest.mark.parametrize("argv, message", [
