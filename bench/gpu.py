@@ -79,7 +79,8 @@ def loader_rate(side: int, workers: int, batches: int, batch: int) -> float:
 
 def crop_flip_on_device(batch: torch.Tensor, side: int) -> torch.Tensor:
     """uint8 [N, C, H, W] on the device -> float [N, C, side, side]: per image a random square
-    crop of CROP_SCALE of its area and a coin-flip mirror, as CachedImages does per sample."""
+    crop of CROP_SCALE of its area and a coin-flip mirror, as training.data.augment does per
+    image."""
     import torch.nn.functional as F
 
     n, device = batch.shape[0], batch.device
