@@ -36,6 +36,7 @@ import numpy as np
 from training.config import DatasetSpec
 from training.data.labels import DatasetError
 from training.data.rows import ARRAY, CONTAINERS, ENCODED, FILES, row_path
+from training.storage import file_lock
 
 TABLE = "table.json"
 IDX_MAGIC = {"images": 0x0803, "labels": 0x0801}  # unsigned bytes, 3 and 1 dimensions
@@ -71,11 +72,18 @@ def prepare_tables(spec: DatasetSpec, home: Path, warn: Callable[[str], None] = 
         digest, read = _torchvision(spec, home)
     else:
         digest, read = _huggingface(spec)
-    if (out / TABLE).is_file() and json.loads((out / TABLE).read_text())["digest"] == digest:
+    def current() -> bool:
+        return (out / TABLE).is_file() and json.loads((out / TABLE).read_text())["digest"] == digest
+
+    if current():
         return out
-    splits, class_names = read()
-    _check_labels(spec, splits, class_names)
-    write_tables(out, splits, class_names, digest)
+    # First runs at once on a fresh home: one reads and writes, the others wait and reuse
+    # its tables (a second writer would replace the folder under the first one's reader).
+    with file_lock(out.parent / f".{out.name}.lock"):
+        if not current():
+            splits, class_names = read()
+            _check_labels(spec, splits, class_names)
+            write_tables(out, splits, class_names, digest)
     return out
 
 
