@@ -8,6 +8,8 @@ import multiprocessing
 
 import pytest
 
+from tests.test_kaggle import SLUG, kaggle  # noqa: F401 (the stand-in, as a fixture)
+
 pytestmark = pytest.mark.slow
 
 
@@ -75,3 +77,11 @@ def test_three_first_runs_split_one_folder_at_once(tmp_path):
     write_folder_layout(tmp_path / "pets", {"cat": 30, "dog": 30})
     results = _three_at_once(tmp_path / "home", {"source": str(tmp_path / "pets")})
     assert results[0]["images"] == 60
+
+
+def test_three_first_runs_download_one_kaggle_competition_once(kaggle, tmp_path):  # noqa: F811
+    """Through the real `kaggle` client and the loopback stand-in: one download, one copy."""
+    results = _three_at_once(tmp_path / "home", {"source": f"kaggle:competitions/{SLUG}",
+                                                 "labels": "filename", "subdir": "train"})
+    assert results[0]["images"] == 22
+    assert kaggle.downloads == 1

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from training.data.archives import extract_zip
 from training.data.labels import DatasetError
+from training.storage import file_lock
 
 COMPLETE_MARKER = ".complete"
 
@@ -100,6 +101,17 @@ def download(kind: str, ref: str, target: Path, credentials: KaggleCredentials |
     folder = target / "versions" / key
     if (folder / COMPLETE_MARKER).is_file():
         return folder
+    # First runs at once on a fresh home: one downloads, the others wait and take its copy
+    # (a second one would remove the first one's extraction under it).
+    with file_lock(folder.parent / f".{key}.lock"):
+        if not (folder / COMPLETE_MARKER).is_file():
+            _download_into(folder, kind, ref, credentials, retries, version)
+    return folder
+
+
+def _download_into(folder: Path, kind: str, ref: str, credentials: KaggleCredentials,
+                   retries: int, version: str | int) -> None:
+    key = folder.name
     folder.parent.mkdir(parents=True, exist_ok=True)
     if folder.exists():
         shutil.rmtree(folder)  # an extraction that never completed
@@ -111,7 +123,6 @@ def download(kind: str, ref: str, target: Path, credentials: KaggleCredentials |
                                                           "version": key}))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return folder
 
 
 class KaggleUnreachable(Exception):
