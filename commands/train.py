@@ -133,9 +133,7 @@ def summary(result, seconds: float, stages: dict[str, float]) -> str:
     lines = [
         f"data      {len(t.class_names)} classes; {sizes}",
         f"training  world size {t.world_size}, best epoch {t.best_epoch} of "
-        f"{len(t.history)} (val accuracy {t.best_metrics.val_accuracy:.4f}, "
-        + ("the last: too few val images to choose on)" if t.chosen_by == "last" else
-           f"by {t.chosen_by.replace('_', ' ')})"),
+        f"{len(t.history)} (val accuracy {t.best_metrics.val_accuracy:.4f}, {t.how_chosen()})",
         f"test      accuracy {metrics['accuracy']:.4f}, macro F1 {metrics['macro_f1']:.4f} on "
         f"{e.images} images",
         f"registry  {r.model_name} {r.description()}",

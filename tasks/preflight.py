@@ -220,18 +220,12 @@ def check_training(training: TrainingSpec, gpus: list[Gpu] | None = None) -> Non
 
 def check_head(network, head: str | None) -> None:
     """The head a new one replaces is there and is a Linear layer, before any download."""
-    from torch import nn
-
-    from training.models.build import head_name
+    from training.models.build import replaceable_head
 
     try:
-        name = head_name(network, head)
+        replaceable_head(network, head)
     except ValueError as e:
         raise PreflightError(str(e)) from None
-    kind = type(network.get_submodule(name)).__name__
-    if not isinstance(network.get_submodule(name), nn.Linear):
-        raise PreflightError(f"training.head {name!r} is a {kind}, not an nn.Linear; name the "
-                             "network's Linear classifier")
 
 
 def check_machines(training: TrainingSpec) -> None:

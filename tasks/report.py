@@ -14,13 +14,6 @@ from training.handoff import SplitResult, TrainResult
 from training.storage import tracking_uri
 
 
-def how_chosen(trained: TrainResult) -> str:
-    if trained.chosen_by == "last":
-        return (f"the last epoch: the val split's {trained.job.split.size('val')} images are "
-                "too few to choose on (training.choose_min_val_images)")
-    return f"chosen by {trained.chosen_by.replace('_', ' ')}"
-
-
 def how_split(split: SplitResult) -> str:
     if split.given_splits is None:
         return "split by the flow, stratified"
@@ -42,7 +35,7 @@ fingerprint `{dataset.fingerprint[:12]}`; split {counts} ({how_split(split)}); q
 {split.quarantined}.
 
 **Training** world size {trained.world_size}, kept epoch {trained.best_epoch} of
-{len(trained.history)}, {how_chosen(trained)} (val accuracy
+{len(trained.history)}, chosen {trained.how_chosen()} (val accuracy
 {trained.best_metrics.val_accuracy:.4f}).
 
 | test metric | value |

@@ -190,8 +190,6 @@ def train_model(split: SplitResult, training: TrainingSpec, output_dir: Path,
         logger.warning("%d metric batches could not be logged to MLflow; weights are safe at %s",
                        result.mlflow_unsent, result.weights)
     best = result.best_metrics  # its every figure was on that epoch's line
-    chosen = ("the last, the val split being too small to choose on"
-              if result.chosen_by == "last" else f"chosen by {result.chosen_by}")
     logger.info("kept epoch %d of %d (%s): val_accuracy=%.4g val_loss=%.4g", result.best_epoch,
-                len(result.history), chosen, best.val_accuracy, best.val_loss)
+                len(result.history), result.how_chosen(), best.val_accuracy, best.val_loss)
     return result

@@ -266,12 +266,12 @@ def default_lr(model: str) -> float:
 
 
 FINE_TUNING = {"image_size": 224, "fit": "crop", "augment": "crop_flip", "optimizer": "adamw",
-               "lr": 1e-3, "backbone_lr_factor": 0.1, "freeze_epochs": 0.0, "label_smoothing": 0.1}
+               "lr": 1e-3, "backbone_lr_factor": 0.1}
 """The recipe's defaults when training starts from pretrained weights or a weights file: the
 ImageNet habits the weights were made with (224 px, aspect kept, random resized crops and
 flips) and a fine-tune's rates (bench/RESULTS.md, "Fine-tuning real weights")."""
 FROM_SCRATCH = {"image_size": 28, "fit": "squash", "augment": "none", "optimizer": "adam",
-                "backbone_lr_factor": 1.0, "freeze_epochs": 0.0, "label_smoothing": 0.1}
+                "backbone_lr_factor": 1.0}
 
 
 def fine_tuning(fields: dict[str, Any]) -> bool:
@@ -378,7 +378,7 @@ class TrainingSpec(Spec):
         "batch_size x processes x this."
     )
     label_smoothing: Annotated[float, Role.RECIPE] = Field(
-        default_factory=recipe_default("label_smoothing"), ge=0, lt=1,
+        0.1, ge=0, lt=1,
         description="Cross-entropy label smoothing (0.1 as torchvision's "
         "recipes; measured with the default lr and schedule in bench/RESULTS.md).")
     channels_last: Annotated[bool, Role.RECIPE] = Field(
@@ -407,7 +407,7 @@ class TrainingSpec(Spec):
         description="The backbone's learning rate is lr x this; the head's is lr. Default: 0.1 "
         "when fine-tuning (the pretrained layers move less than the new head), else 1.")
     freeze_epochs: Annotated[float, Role.RECIPE] = Field(
-        default_factory=recipe_default("freeze_epochs"), ge=0,
+        0.0, ge=0,
         description="Train the head alone for this many epochs (fractions allowed) before "
         "every layer learns, as fastai's fine_tune: the new head's first, random gradients "
         "do not reach the pretrained layers. Needs pretrained weights or a weights file.")
@@ -497,6 +497,11 @@ class TrainingSpec(Spec):
                              'e.g. "machine-{machine_rank}"') from None
         return name
 
+    @property
+    def starts_from_weights(self) -> bool:
+        """A fine-tune: pretrained weights or a weights file (the recipe's defaults follow it)."""
+        return bool(self.pretrained or self.weights)
+
     def workers_per_rank(self, on_gpu: bool, cores: int, ranks_here: int) -> int:
         """loader_workers with "auto" decided for a rank on this machine."""
         if self.loader_workers != "auto":
@@ -513,7 +518,7 @@ class TrainingSpec(Spec):
         if self.warmup_epochs >= self.epochs and self.warmup_epochs > 0:
             raise ValueError(f"training.warmup_epochs {self.warmup_epochs:g} must be below "
                              f"training.epochs {self.epochs}, e.g. warmup_epochs=1, epochs=10")
-        if self.freeze_backbone and not (self.pretrained or self.weights):
+        if self.freeze_backbone and not self.starts_from_weights:
             raise ValueError("training.freeze_backbone needs pretrained weights to freeze: set "
                              "training.pretrained=true or training.weights, or "
                              "freeze_backbone=false")
@@ -524,7 +529,7 @@ class TrainingSpec(Spec):
             raise ValueError(f"training.pretrained loads torchvision's weights, which "
                              f"{self.model} has none of: give training.weights, or load the "
                              "weights in your callable")
-        if self.freeze_epochs and not (self.pretrained or self.weights):
+        if self.freeze_epochs and not self.starts_from_weights:
             raise ValueError("training.freeze_epochs trains a new head on pretrained weights: "
                              "set training.pretrained=true or training.weights, or "
                              "freeze_epochs=0")

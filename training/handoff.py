@@ -120,6 +120,13 @@ class TrainResult(BaseModel):
     world_size: int
     chosen_by: str = "val_accuracy"
     """How the kept epoch was chosen: "val_loss", "val_accuracy" or "last"."""
+
+    def how_chosen(self) -> str:
+        """The kept epoch's choice, as the log, the summary and the description say it."""
+        if self.chosen_by == "last":
+            return (f"the last: the val split's {self.job.split.size('val')} images are too few "
+                    "to choose on (training.choose_min_val_images)")
+        return f"by {self.chosen_by.replace('_', ' ')}"
     mlflow_unsent: int = 0
     test_metrics: TestMetrics | None = None
     """Set when the launch also predicted the test split with the best weights (its ranks were

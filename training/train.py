@@ -165,7 +165,7 @@ def batchnorm_mode(spec: TrainingSpec, device_type: str, processes: int) -> str:
         return spec.batchnorm
     shared = device_type == "cuda" and processes > 1  # SyncBatchNorm runs on CUDA only
     per_statistic = spec.batch_size * (processes if shared else 1)
-    if (spec.pretrained or spec.weights) and per_statistic < FROZEN_BELOW:
+    if spec.starts_from_weights and per_statistic < FROZEN_BELOW:
         # A few images' mean and variance are noise beside the ones the weights were trained
         # with; measured on real photos (bench/RESULTS.md, "Fine-tuning real weights").
         return "frozen"

@@ -77,7 +77,7 @@ def refuse_split_like_classes(root: Path, class_names: list[str]) -> None:
         return
     others = sorted(set(class_names) - set(split_like))
     named = ", ".join(f"{n}/" for n in split_like)
-    if "train" not in split_like:
+    if "train" not in (n.lower() for n in split_like):
         why = "there is no train/ beside them"
     elif others:
         why = f"other folders stand beside them ({', '.join(f'{n}/' for n in others[:5])})"

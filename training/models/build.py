@@ -130,7 +130,7 @@ def head_name(model: nn.Module, named: str | None = None) -> str:
     BasicNet.fc2, a user module's last nn.Linear)."""
     modules = dict(model.named_modules())
     if named:
-        if named not in modules or not named:
+        if named not in modules:
             linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
             raise ValueError(f"training.head {named!r} is not a module of "
                              f"{type(model).__name__}; its Linear layers: "
@@ -151,12 +151,19 @@ def head_of(model: nn.Module, named: str | None = None) -> nn.Module:
     return model.get_submodule(head_name(model, named))
 
 
+def replaceable_head(model: nn.Module, named: str | None = None) -> str:
+    """head_name, checked to be the nn.Linear a new head of other classes replaces."""
+    name = head_name(model, named)
+    kind = type(model.get_submodule(name)).__name__
+    if not isinstance(model.get_submodule(name), nn.Linear):
+        raise ValueError(f"training.head {name!r} is a {kind}, not an nn.Linear; name the "
+                         "network's Linear classifier")
+    return name
+
+
 def _replace_head(model: nn.Module, num_classes: int, named: str | None = None) -> None:
     """Swap the head for a new one of `num_classes` outputs, as transfer learning does."""
-    name = head_name(model, named)
-    if not isinstance(model.get_submodule(name), nn.Linear):
-        raise ValueError(f"the head {name!r} of {type(model).__name__} is not an nn.Linear, "
-                         "which a new head replaces; name the Linear layer as training.head")
+    name = replaceable_head(model, named)
     parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     in_features = model.get_submodule(name).in_features
     setattr(parent, name.rpartition(".")[2], nn.Linear(in_features, num_classes))
@@ -166,8 +173,7 @@ def preprocessing_for(job: TrainJob) -> Preprocessing:
     """The input the job's model expects: its size, channels and normalisation."""
     spec = job.training
     channels = input_channels(spec.model, job.split.channels)
-    mean, std = normalization(spec.model, spec.pretrained or bool(spec.weights), channels,
-                              spec.normalization)
+    mean, std = normalization(spec.model, spec.starts_from_weights, channels, spec.normalization)
     geometry = evaluation_geometry(spec)
     resize = (f"bilinear, shorter side to {geometry.resize}, centre {geometry.side} crop"
               if geometry.resize else "bilinear, squashed to a square")
