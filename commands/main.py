@@ -7,6 +7,7 @@
     trainflow champion MODEL_NAME VERSION [--reason "..."]   # rollback, or a person's choice
     trainflow rerun MODEL_NAME VERSION [--deployment train-flow/digits]
     trainflow services start|stop [--folder .services]   # Prefect + MLflow servers, a worker
+    trainflow work-pool create NAME [--type kubernetes ...]   # with the lost-run automations
 
 `trainflow COMMAND --help` lists each command's options.
 """
@@ -19,7 +20,8 @@ import sys
 COMMANDS = {"train": "commands.train:train", "run": "commands.train:run",
             "sweep": "commands.train:sweep",
             "predict": "commands.predict:main", "champion": "commands.champion:main",
-            "rerun": "commands.rerun:main", "services": "commands.services:main"}
+            "rerun": "commands.rerun:main", "services": "commands.services:main",
+            "work-pool": "commands.work_pool:main"}
 
 
 def main(argv: list[str] | None = None) -> None:

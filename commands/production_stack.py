@@ -28,6 +28,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from commands import work_pool
 from commands.services import (
     BIN,
     POOL,
@@ -279,10 +280,7 @@ def start(folder: Path, asked: StackPorts = StackPorts(), pool: str = POOL,
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
         Secret(value={"username": MLFLOW_USER, "password": keys.mlflow_password}).save(
             MLFLOW_SECRET_BLOCK, overwrite=True)
-    for command in (["work-pool", "create", pool, "--type", "process", "--overwrite"],
-                    ["work-pool", "set-concurrency-limit", pool, str(POOL_LIMIT)]):
-        subprocess.run([str(BIN / "prefect"), *command], env=env, check=True,
-                       capture_output=True)
+    work_pool.create(pool, env, limit=POOL_LIMIT)
     start_process("worker", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type",
                              "process"], folder, env)
 

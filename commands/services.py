@@ -19,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from commands import work_pool
 from training.processes import alive
 from training.storage import home
 
@@ -82,7 +83,7 @@ def services_env(prefect_port: int, mlflow_port: int, extra: dict | None = None)
             # `prefect deployment run`; polling a server on the same machine costs nothing.
             "PREFECT_WORKER_QUERY_SECONDS": os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "2"),
             # A scheduled run that starts while MLflow restarts waits for it (tasks/preflight.py).
-            "TRAINFLOW_MLFLOW_WAIT_S": "60", **(extra or {})}
+            "TRAINFLOW_MLFLOW_WAIT_S": "60", **work_pool.HEARTBEAT_ENV, **(extra or {})}
 
 
 def start(folder: Path, prefect_port: int, mlflow_port: int, pool: str = POOL,
@@ -101,10 +102,7 @@ def start(folder: Path, prefect_port: int, mlflow_port: int, pool: str = POOL,
                                     str(store / "artifacts")], folder, env)
     wait_http(f"{prefect_url}/health")
     wait_http(f"{mlflow_url}/health")
-    subprocess.run([str(BIN / "prefect"), "work-pool", "create", pool, "--type", "process",
-                    "--overwrite"], env=env, check=True, capture_output=True)
-    subprocess.run([str(BIN / "prefect"), "work-pool", "set-concurrency-limit", pool,
-                    str(POOL_LIMIT)], env=env, check=True, capture_output=True)
+    work_pool.create(pool, env, limit=POOL_LIMIT)
     start_process("worker", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type",
                              "process"], folder, env)
     print(f"\nPrefect UI  http://127.0.0.1:{prefect_port}\nMLflow UI   {mlflow_url}\n"

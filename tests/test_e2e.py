@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow import MlflowClient
 
-from commands import services
+from commands import services, work_pool
 from tasks.lineage import FLOW_RUN_ID, GIT_COMMIT, GIT_DIRTY, metric_tag
 from tasks.register import PROMOTION
 from training.engine.progress import ProgressReader
@@ -555,19 +556,75 @@ def test_the_prefect_server_restarted_during_training_does_not_stop_the_run(stac
     assert [v.tags[FLOW_RUN_ID] for v in versions] == [flow_run_id]
 
 
-@pytest.mark.extended
-def test_a_killed_worker_crashes_its_run_takes_the_ranks_and_the_next_run_is_clean(stack):
-    flow_run_id, ranks = slow_training(stack, "worker-kill", epochs=30)
+def states_of(stack: Stack, flow_run_id: str) -> list:
+    with prefect_client(stack) as client:
+        return client.read_flow_run_states(flow_run_id)
+
+
+def wait_state(stack: Stack, flow_run_id: str, kind: str, timeout: float) -> object:
+    """The first state of type `kind` (e.g. "CRASHED") in the run's history."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := [s for s in states_of(stack, flow_run_id) if s.type.value == kind]:
+            return found[0]
+        time.sleep(1)
+    raise AssertionError(f"flow run {flow_run_id} never {kind}: "
+                         f"{[s.name for s in states_of(stack, flow_run_id)]}")
+
+
+def assert_finished_once(stack: Stack, model_name: str, flow_run_id: str) -> None:
+    """The retried run completed, as one MLflow run and one version of `model_name`."""
+    run = wait_final(stack, flow_run_id)
+    assert run.state.is_completed(), run.state.message
+    assert run.run_count == 2
+    versions = stack.mlflow.search_model_versions(f"name='{model_name}'")
+    assert [v.tags[FLOW_RUN_ID] for v in versions] == [flow_run_id]
+    assert mlflow_run_of(stack, flow_run_id).info.status == "FINISHED"
+
+
+def test_a_killed_worker_crashes_its_run_and_a_new_worker_finishes_it(stack):
+    """The worker is SIGKILLed: its flow run (tied to it) is told at once and Crashed, its
+    ranks are gone, and the lost-run automation schedules the run again for the next worker,
+    which resumes it to one version."""
+    flow_run_id, ranks = slow_training(stack, "worker-kill", epochs=12)
     kill_service(stack, "worker")
     deadline = time.monotonic() + 60
     while any(alive(p) for p in ranks) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(p) for p in ranks), "ranks outlived their worker"
-    run = wait_final(stack, flow_run_id, timeout=120)
-    assert run.state.is_crashed(), run.state
+    crashed = wait_state(stack, flow_run_id, "CRASHED", timeout=work_pool.LOST_AFTER_S + 60)
+    assert "heartbeat" not in (crashed.message or ""), "the run's own SIGTERM should say so"
     stack.start()  # a new worker
-    again = run_deployment(stack, {"training": SMALL, "registry": {"model_name": "worker-kill"}})
-    assert wait_final(stack, again).state.is_completed()
-    versions = stack.mlflow.search_model_versions("name='worker-kill'")
-    assert [v.tags[FLOW_RUN_ID] for v in versions] == [again]
-    assert mlflow_run_of(stack, flow_run_id).info.status in ("FAILED", "KILLED")
+    assert_finished_once(stack, "worker-kill", flow_run_id)
+
+
+def test_a_lost_machine_is_crashed_by_its_heartbeats_and_retried_to_completion(stack):
+    """The whole process tree of a flow run (worker, flow run, launcher, ranks) is frozen and
+    SIGKILLed: no Python is left to report. The heartbeat automation marks the run Crashed
+    within the window, the retry automation schedules it again, and a new worker resumes it."""
+    def automations() -> list:
+        with prefect_client(stack) as client:
+            return [a.id for name in (work_pool.LOST_RUNS, work_pool.RETRY_LOST)
+                    for a in client.read_automations_by_name(name)]
+
+    installed = automations()  # created with the work pool, one of each
+    assert len(installed) == 2
+    flow_run_id, _ = slow_training(stack, "lost-machine", epochs=12)
+    worker = psutil.Process(int((stack.folder / "worker.pid").read_text()))
+    tree = [worker, *worker.children(recursive=True)]
+    assert len(tree) >= 4, [p.cmdline() for p in tree]  # worker, flow run, launcher, ranks
+    for sig in (signal.SIGSTOP, signal.SIGKILL):  # stopped first: none reacts to another's end
+        for process in tree:
+            process.send_signal(sig)
+    killed_at = time.time()
+    psutil.wait_procs(tree, timeout=30)
+    assert not any(alive(p.pid) for p in tree)
+    stack.start()  # another machine's worker
+    assert automations() == installed  # kept: they remember the heartbeats already seen
+    crashed = wait_state(stack, flow_run_id, "CRASHED",
+                         timeout=work_pool.LOST_AFTER_S + work_pool.HEARTBEAT_S + 60)
+    assert "No heartbeat" in crashed.message
+    # Prefect's proactive triggers are evaluated every few seconds past the window.
+    assert crashed.timestamp.timestamp() - killed_at < (
+        work_pool.LOST_AFTER_S + work_pool.HEARTBEAT_S + 30)
+    assert_finished_once(stack, "lost-machine", flow_run_id)
