@@ -17,6 +17,8 @@ per chosen run, cycling through the kinds:
   corrupt_image    a file that is not an image is added to the data before the run
   bad_parameter    the run asks for epochs=0 (the server refuses to create it, naming the
                    field: the deployment's parameter schema)
+  fresh_home       the run and 3 more start at the same moment on an empty home of their own
+                   (a new worker after a deploy): the pool runs 4 at once for them
 
 Then the audit: every run final; every completed run has exactly one model version, with its
 files; every failed run failed with a named cause (and only the runs meant to fail); the
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import io
+import json
 import os
 import random
 import sqlite3
@@ -44,7 +47,9 @@ from training.processes import alive, free_port, port_in_use
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("kill_rank", "preempt", "hang", "mlflow_restart", "prefect_restart", "corrupt_image",
-         "bad_parameter")
+         "bad_parameter", "fresh_home")
+FRESH_RUNS = 4
+"""First runs started together on one fresh home by the fresh_home fault."""
 MODEL = "soak-digits"
 TRAINING = {"epochs": 3, "image_size": 12, "batch_size": 50, "num_processes": 2,
             "heartbeat_steps": 1, "hang_timeout_s": 20}
@@ -62,6 +67,7 @@ class Run:
     message: str = ""
     versions: int = 0
     files_ok: bool = False
+    home: str | None = None  # fresh_home: the empty home its group starts on
 
     @property
     def meant_to_fail(self) -> bool:
@@ -111,13 +117,23 @@ class Stack:
         time.sleep(down_s)
         self.start()
 
-    def deploy(self) -> None:
+    def deploy(self, fresh_homes: bool) -> None:
+        """prefect.yaml's digits deployment (2 runs at a time); for fresh homes, one without
+        a limit of its own and a pool that runs FRESH_RUNS at once."""
         import subprocess
 
-        done = subprocess.run([str(services.BIN / "prefect"), "--no-prompt", "deploy", "--name",
-                               "digits"], cwd=REPO, env=self.env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(done.stdout[-2000:] + done.stderr[-2000:])
+        prefect = str(services.BIN / "prefect")
+        commands = [[prefect, "--no-prompt", "deploy", "--name", "digits"]]
+        if fresh_homes:
+            commands += [[prefect, "--no-prompt", "deploy", "flows/train_flow.py:train_flow",
+                          "--name", "digits-fresh", "--pool", services.POOL],
+                         [prefect, "work-pool", "set-concurrency-limit", services.POOL,
+                          str(FRESH_RUNS)]]
+        for command in commands:
+            done = subprocess.run(command, cwd=REPO, env=self.env, capture_output=True,
+                                  text=True)
+            if done.returncode != 0:
+                raise SystemExit(done.stdout[-2000:] + done.stderr[-2000:])
 
 
 def submit(run: Run, data: Path, root: Path) -> None:
@@ -135,10 +151,13 @@ def submit(run: Run, data: Path, root: Path) -> None:
         (data / "3" / f"corrupt-{run.index}.png").write_bytes(b"not an image at all")
     elif run.fault == "bad_parameter":
         training["epochs"] = 0
+    deployment = "train-flow/digits"
+    if run.home:
+        env["TRAINFLOW_HOME"], deployment = run.home, "train-flow/digits-fresh"
     from prefect.exceptions import PrefectHTTPStatusError
 
     try:
-        flow_run = run_deployment("train-flow/digits", timeout=0, job_variables={"env": env},
+        flow_run = run_deployment(deployment, timeout=0, job_variables={"env": env},
                                   parameters={"dataset": {"source": str(data)},
                                               "training": training,
                                               "registry": {"model_name": MODEL}, "force": True})
@@ -179,10 +198,13 @@ def drive(stack: Stack, runs: list[Run], data: Path, interval: float, timeout: f
     queue = list(runs)
     while time.monotonic() < deadline:
         if queue and time.monotonic() >= next_submit:
-            run = queue.pop(0)
-            submit(run, data, stack.root)
-            print(f"submitted run {run.index} ({run.fault or 'no fault'}): "
-                  f"{run.flow_run_id or run.message}", flush=True)
+            group = [queue.pop(0)]  # a fresh home's runs go together
+            while group[0].home and queue and queue[0].home == group[0].home:
+                group.append(queue.pop(0))
+            for run in group:
+                submit(run, data, stack.root)
+                print(f"submitted run {run.index} ({run.fault or 'no fault'}): "
+                      f"{run.flow_run_id or run.message}", flush=True)
             next_submit = time.monotonic() + interval
         for run in list(pending_restarts):
             if run.flow_run_id and trained_an_epoch(home, run):
@@ -243,14 +265,20 @@ def audit(stack: Stack, runs: list[Run]) -> dict[str, object]:
     left += [p for p in service_pids if alive(p)]
     left_ports = [p for p in stack.ports if port_in_use(p)]
     home = Path(stack.extra["TRAINFLOW_HOME"])
+    homes = [home, *{Path(r.home) for r in runs if r.home}]
+    for fresh in homes[1:]:  # one split of the data, each image in it decoded once
+        stores = [json.loads(p.read_text()) for p in fresh.glob("splits/*/decoded/*/index.json")]
+        checks[f"fresh home {fresh.name}: one split, each image decoded once"] = (
+            len(list(fresh.glob("splits/*/manifest*"))) == 1 and bool(stores)
+            and all(s["rows"] == len(s["files"]) for s in stores))
     held_locks = []
-    for lock in home.rglob("lock"):
+    for lock in (lock for h in homes for lock in h.rglob("lock")):
         with open(lock, "a+") as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 held_locks.append(str(lock))
-    temporary = [str(p) for p in home.rglob("*.tmp")]
+    temporary = [str(p) for h in homes for p in h.rglob("*.tmp")]
     leftovers = len(left) + len(left_ports) + len(held_locks) + len(temporary)
     checks["no process, port, held lock or temporary file left"] = leftovers == 0
     databases = [Path(stack.extra["PREFECT_HOME"]) / "prefect.db",
@@ -263,6 +291,21 @@ def audit(stack: Stack, runs: list[Run]) -> dict[str, object]:
     return {"checks": checks, "versions": len(versions), "leftovers": leftovers,
             "left": {"processes": left, "ports": left_ports, "locks": held_locks,
                      "temporary": temporary}}
+
+
+def with_fresh_homes(runs: list[Run], root: Path) -> list[Run]:
+    """Each fresh_home run followed by the other first runs of its group, all on one new home;
+    numbered again in order."""
+    expanded = []
+    for run in runs:
+        if run.fault == "fresh_home":
+            home = str(root / f"fresh-home-{run.index}")
+            expanded += [Run(0, "fresh_home", home=home) for _ in range(FRESH_RUNS)]
+        else:
+            expanded.append(run)
+    for index, run in enumerate(expanded):
+        run.index = index
+    return expanded
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,12 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = [Run(i, None) for i in range(args.runs)]
     for n, i in enumerate(chosen):
         runs[i].fault = order[n % len(order)]
+    root = Path(tempfile.mkdtemp(prefix="trainflow-soak-"))
+    runs = with_fresh_homes(runs, root)
 
     started = time.monotonic()
-    root = Path(tempfile.mkdtemp(prefix="trainflow-soak-"))
     stack = Stack(root)
     try:
-        stack.deploy()
+        stack.deploy(any(r.home for r in runs))
         data = digit_folder(root / "digits")
         drive(stack, runs, data, args.interval, args.timeout)
         report = audit(stack, runs)
