@@ -269,7 +269,7 @@ def audit(stack: Stack, runs: list[Run]) -> dict[str, object]:
     for fresh in homes[1:]:  # one split of the data, each image in it decoded once
         stores = [json.loads(p.read_text()) for p in fresh.glob("splits/*/decoded/*/index.json")]
         checks[f"fresh home {fresh.name}: one split, each image decoded once"] = (
-            len(list(fresh.glob("splits/*/manifest*"))) == 1 and bool(stores)
+            len(list(fresh.glob("splits/*/*/manifest.csv"))) == 1 and bool(stores)
             and all(s["rows"] == len(s["files"]) for s in stores))
     held_locks = []
     for lock in (lock for h in homes for lock in h.rglob("lock")):

@@ -27,7 +27,7 @@ from training.data.labels import DatasetError, given_splits
 from training.data.sources import TABLE_LABELS, DatasetRef, labelled_files
 from training.data.store import DecodeStore, compact, decode_into_stores, prune_stores
 from training.handoff import SplitResult
-from training.storage import write_json_atomic, write_text_atomic
+from training.storage import file_lock, write_json_atomic, write_text_atomic
 
 SPLITS = ("train", "val", "test")
 MAX_UNREADABLE = 0.05
@@ -60,6 +60,15 @@ def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path,
     at the smallest scale that still reads every byte.
     """
     folder = home / "splits" / split_key(ref, spec)
+    # One writer per split folder: its ledger is read, extended and written again, so two
+    # first runs (or two data versions) at once would each drop the other's assignments.
+    with file_lock(folder.parent / f".{folder.name}.lock"):
+        return _split_under_lock(ref, spec, folder, sides, on_progress)
+
+
+def _split_under_lock(ref: DatasetRef, spec: SplitSpec, folder: Path,
+                      sides: dict[str, Geometry | int] | None,
+                      on_progress: Callable[[int, int], None]) -> SplitResult:
     out = folder / ref.fingerprint[:16]
     if (out / "summary.json").is_file() and (out / "manifest.csv").is_file():
         # The fingerprint covers every file's content, so the checks and the assignment would
