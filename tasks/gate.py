@@ -104,6 +104,21 @@ def champion_class_names(model_name: str, version: str) -> list[str] | None:
     return metadata.get("class_names")
 
 
+def predictions_folder(champion, rows: list[tuple[str, str]]) -> Path:
+    """Where the gate keeps a champion version's predictions on one test set."""
+    key = hashlib.sha256(f"{tracking_uri()}|{champion.name}|{champion.version}|"
+                         f"{champion.run_id}".encode()).hexdigest()[:16]
+    return home() / "gate" / key / test_set_key(rows)
+
+
+def champion_predictions(model_name: str, version: str, split: SplitResult) -> Path | None:
+    """The predictions the gate scored for champion `version` on `split`'s test images, if it
+    did (it does not when the classes differ or promotion is off)."""
+    champion = MlflowClient(tracking_uri()).get_model_version(model_name, version)
+    predictions = predictions_folder(champion, test_rows(split)) / "predictions.csv"
+    return predictions if predictions.is_file() else None
+
+
 def score_champion(champion, split: SplitResult, training: TrainingSpec, logger,
                    same_classes_only: bool = False, beside_training: bool = False
                    ) -> SameImages | None:
@@ -113,9 +128,7 @@ def score_champion(champion, split: SplitResult, training: TrainingSpec, logger,
     than the split's (the gate does not compare those). `beside_training`: the ranks hold every
     core, so the scoring takes one thread (BESIDE_TRAINING)."""
     rows = test_rows(split)
-    key = hashlib.sha256(f"{tracking_uri()}|{champion.name}|{champion.version}|"
-                         f"{champion.run_id}".encode()).hexdigest()[:16]
-    folder = home() / "gate" / key / test_set_key(rows)
+    folder = predictions_folder(champion, rows)
     predictions = folder / "predictions.csv"
     folder.mkdir(parents=True, exist_ok=True)
     # One scoring per folder at a time: the early scoring and the gate, or two runs on the
