@@ -8,6 +8,7 @@
     trainflow rerun MODEL_NAME VERSION [--deployment train-flow/digits]
     trainflow services start|stop [--folder .services]   # Prefect + MLflow servers, a worker
     trainflow work-pool create NAME [--type kubernetes ...]   # with the lost-run automations
+    trainflow notify --webhook URL | --block TYPE/NAME   # approval waits, failures, aliases
 
 `trainflow COMMAND --help` lists each command's options.
 """
@@ -21,7 +22,7 @@ COMMANDS = {"train": "commands.train:train", "run": "commands.train:run",
             "sweep": "commands.train:sweep",
             "predict": "commands.predict:main", "champion": "commands.champion:main",
             "rerun": "commands.rerun:main", "services": "commands.services:main",
-            "work-pool": "commands.work_pool:main"}
+            "work-pool": "commands.work_pool:main", "notify": "commands.notify:main"}
 
 
 def main(argv: list[str] | None = None) -> None:

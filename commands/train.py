@@ -138,6 +138,8 @@ def summary(result, seconds: float, stages: dict[str, float]) -> str:
         f"{e.images} images",
         f"registry  {r.model_name} {r.description()}",
     ]
+    if result.review is not None:  # a file to open here, and its copy in the MLflow run
+        lines.append(f"review    {result.review.folder / 'review.html'}")
     if result.mlflow_url:
         lines.append(f"mlflow    {result.mlflow_url}")
         uri = tracking_uri()

@@ -27,6 +27,7 @@ from tasks.lineage import lineage_tags
 from tasks.parameters import BLOCKS, resolve_parameters
 from tasks.preflight import check_before_start
 from tasks.register import Registration, apply_approval, ask_for_approval, register_model
+from tasks.review import review_version
 from tasks.sweep import SweepSummary, run_trials
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run
 from training.config import DatasetSpec, Distribution, RegistrySpec, SplitSpec, SweepSpec, TrainingSpec
@@ -72,8 +73,11 @@ def sweep_flow(
         lineage = lineage_tags(dataset, split, best.job.training, registry, source, data)
         evaluation = evaluate_model(best, summary.best_run_id)
         registration = register_model(best, evaluation, registry, summary.best_run_id, lineage)
+        review = review_version(source, data, best, evaluation, registration,
+                                summary.best_run_id, lineage)
         if registration.awaiting_approval:
-            answer = ask_for_approval(registration, registry.approval_timeout_s)
+            answer = ask_for_approval(registration, registry.approval_timeout_s,
+                                      review.summary, review.url)
             registration = apply_approval(registration, answer)
     close_mlflow_run(run_id, "FINISHED")
     return SweepResult(mlflow_run_id=run_id, sweep=summary, evaluation=evaluation,

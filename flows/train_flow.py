@@ -27,6 +27,7 @@ from tasks.parameters import BLOCKS, resolve_parameters
 from tasks.preflight import check_before_start
 from tasks.register import Registration, apply_approval, ask_for_approval, register_model
 from tasks.report import publish_report
+from tasks.review import Review, review_version
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run, run_url
 from tasks.train import train_model
 from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
@@ -43,6 +44,7 @@ class FlowResult(BaseModel):
     trained: TrainResult | None = None
     evaluation: Evaluation | None = None
     registration: Registration | None = None
+    review: Review | None = None
 
 
 # Parameters are validated in resolve_parameters, after the deployment's are laid under them.
@@ -73,14 +75,17 @@ def train_flow(
         evaluation = evaluate_model(trained, run_id)
         champion_scored.wait()  # the gate finds its predictions in its cache
         registration = register_model(trained, evaluation, registry, run_id, lineage)
+        review = review_version(source, data, trained, evaluation, registration, run_id,
+                                lineage)
         if registration.awaiting_approval:
-            answer = ask_for_approval(registration, registry.approval_timeout_s)
+            answer = ask_for_approval(registration, registry.approval_timeout_s,
+                                      review.summary, review.url)
             registration = apply_approval(registration, answer)
         publish_report(source, data, trained, evaluation, registration, run_id)
     close_mlflow_run(run_id, "FINISHED")
     return FlowResult(mlflow_run_id=run_id, mlflow_url=run_url(run_id),
                       prefect_url=lineage.get(FLOW_RUN_URL), trained=trained,
-                      evaluation=evaluation, registration=registration)
+                      evaluation=evaluation, registration=registration, review=review)
 
 
 if __name__ == "__main__":

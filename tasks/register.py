@@ -62,6 +62,9 @@ TEST_METRICS = "trainflow.test_metrics"
 MIN_TEST_IMAGES_PER_CLASS = 30
 
 
+CARD_MARKER = "\n\n---\n"
+"""Between the gate's sentence and the model card in a version's description."""
+
 class Registration(BaseModel):
     model_name: str
     version: str
@@ -264,7 +267,10 @@ def record(client: MlflowClient, registration: Registration, approval: str) -> R
         tags[MCNEMAR_P_VALUE] = repr(r.p_value)
     for key, tag in tags.items():
         client.set_model_version_tag(r.model_name, r.version, key, tag)
-    client.update_model_version(r.model_name, r.version, description=r.description())
+    # The model card below the sentence (tasks/review.py) stays when the decision changes.
+    old = client.get_model_version(r.model_name, r.version).description or ""
+    card = old[old.index(CARD_MARKER):] if CARD_MARKER in old else ""
+    client.update_model_version(r.model_name, r.version, description=r.description() + card)
     if r.promoted:
         client.set_registered_model_alias(r.model_name, CHAMPION, r.version)
     aliases = client.get_model_version(r.model_name, r.version).aliases
@@ -348,7 +354,8 @@ class Approval(RunInput):
 SERVER_PAUSE_GRACE_S = 600
 
 
-def ask_for_approval(registration: Registration, timeout_s: int) -> Approval | None:
+def ask_for_approval(registration: Registration, timeout_s: int, summary: str = "",
+                     review_url: str = "") -> Approval | None:
     """Pause the flow run until a person answers in the Prefect UI (None: no answer in time).
 
     Called from the flow itself: only a flow run can be paused, not a task. This is Prefect's
@@ -366,14 +373,21 @@ def ask_for_approval(registration: Registration, timeout_s: int) -> Approval | N
                       registration.version, timeout_s)
     run_id = flow_run.get_id()
     paused = Paused(timeout_seconds=timeout_s + SERVER_PAUSE_GRACE_S, reschedule=False,
-                    pause_key=f"approve-v{registration.version}")
+                    pause_key=f"approve-v{registration.version}",
+                    # What a notification of the pause says (commands/notify.py)
+                    message=registration.description()
+                    + (f" Review: {review_url}" if review_url else ""))
     keyset = keyset_from_paused_state(paused)
     paused.state_details.run_input_keyset = keyset
     with get_client(sync_client=True) as client:
         result = client.set_flow_run_state(run_id, paused)
         if not (result.state and result.state.is_paused()):
             raise RuntimeError(f"Prefect refused to pause the run for approval: {result.details}")
-        Approval.save(keyset)  # the form the UI shows
+        # The form the UI shows, under the review's top lines and link
+        described = summary or registration.description()
+        if review_url:
+            described += f"\n\n[The review report]({review_url})"
+        Approval.with_initial_data(description=described).save(keyset)
         deadline, poll_s = time.monotonic() + timeout_s, min(10, max(1, timeout_s // 4))
         while True:
             state = client.read_flow_run(run_id).state

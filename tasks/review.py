@@ -21,7 +21,7 @@ from tasks import MLFLOW_RETRIES, run_logger
 from tasks.evaluate import Evaluation
 from tasks.gate import champion_predictions
 from tasks.lineage import FLOW_RUN_ID, FLOW_RUN_URL, GIT_COMMIT, GIT_DIRTY
-from tasks.register import Registration
+from tasks.register import CARD_MARKER, Registration
 from tasks.report import how_split
 from tasks.tracking import run_url
 from training.data.sources import DatasetRef
@@ -36,8 +36,6 @@ from training.evaluation.review import (
 from training.handoff import SplitResult, TrainResult
 from training.storage import tracking_uri
 
-CARD_MARKER = "\n\n---\n"
-"""Between the gate's sentence and the model card in a version's description."""
 REVIEW_TAG = "trainflow.review_url"
 
 

@@ -53,7 +53,11 @@ def stack(tmp_path_factory):
     folder = tmp_path_factory.mktemp("stack")
     home = folder / "home"
     extra = {"TRAINFLOW_HOME": str(home), "PREFECT_HOME": str(folder / "prefect"),
-             "PWD": str(REPO)}  # prefect.yaml's pull step is "{{ $PWD }}" at deploy time
+             "PWD": str(REPO),  # prefect.yaml's pull step is "{{ $PWD }}" at deploy time
+             # The notification test's receiver is plain HTTP on 127.0.0.1, which MLflow's
+             # webhooks refuse by default (https only, no private addresses).
+             "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
+             "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true"}
     ports = free_port(), free_port()
 
     def start() -> dict:
@@ -409,9 +413,17 @@ def test_manual_approval_is_asked_and_the_answer_holds(stack):
         for answer in ("yes", "no", "none")}
     answers = {"yes": {"approve": True, "comment": "checked the confusion matrix"},
                "no": {"approve": False, "comment": "sevens look wrong"}}
+    from prefect.input.run_input import read_flow_run_input
+
     with temporary_settings({PREFECT_API_URL: stack.api}):
         for answer, reply in answers.items():
-            assert wait_paused(stack, runs[answer]).is_paused()
+            state = wait_paused(stack, runs[answer])
+            assert state.is_paused()
+            # The form shows the review's top lines and its link above the question.
+            form = read_flow_run_input(state.state_details.run_input_keyset["description"],
+                                       flow_run_id=runs[answer])
+            assert form.startswith("**v1: test_accuracy") and "challenger v1: accuracy" in form
+            assert "review/review.html" in form
             resume_flow_run(runs[answer], run_input=reply)
     for answer, flow_run_id in runs.items():
         run = wait_final(stack, flow_run_id)
@@ -610,6 +622,104 @@ def assert_finished_once(stack: Stack, model_name: str, flow_run_id: str) -> Non
     versions = stack.mlflow.search_model_versions(f"name='{model_name}'")
     assert [v.tags[FLOW_RUN_ID] for v in versions] == [flow_run_id]
     assert mlflow_run_of(stack, flow_run_id).info.status == "FINISHED"
+
+
+class Receiver:
+    """A team's webhook endpoint on 127.0.0.1: every JSON POST it gets, in order."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        received = self.received = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                received.append((self.path, json.loads(body or b"{}")))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.port = self.server.server_address[1]
+
+    def wait_for(self, what: Callable[[dict], bool], timeout: float = 120) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(what(body) for _, body in self.received):
+                time.sleep(3)  # a second copy, if one were sent, arrives meanwhile
+                return [body for _, body in self.received if what(body)]
+            time.sleep(0.5)
+        raise AssertionError(f"no such message in {self.received}")
+
+
+def test_a_team_hears_of_an_approval_wait_a_failure_and_an_alias_move(stack):
+    """`trainflow notify --webhook URL`: one message for a failed run, one for a run waiting
+    for approval (its version, the gate's sentence, the review, the run's link), one for a
+    champion moved by hand; the URL's secret path is in none of them, nor printed."""
+    from commands import notify
+
+    receiver = Receiver()
+    secret = "T0SECRET/B0SECRET/not-a-real-token"
+    url = f"http://127.0.0.1:{receiver.port}/hooks/{secret}"
+    trainflow = str(services.BIN / "trainflow")
+    try:
+        done = subprocess.run([trainflow, "notify", "--webhook", url], env=stack.env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert secret not in done.stdout + done.stderr
+        failed = run_deployment(stack, {"dataset": {"source": "/no/such/folder"},
+                                        "registry": {"model_name": "notify-failed"}})
+        assert wait_final(stack, failed).state.is_failed()
+        [failure] = receiver.wait_for(lambda m: failed in m.get("text", ""))
+        assert "Failed" in failure["text"] and "/no/such/folder" in failure["text"]
+
+        paused = run_deployment(stack, {"training": SMALL, "registry": {
+            "model_name": "notify-approval", "approval": "manual", "approval_timeout_s": 600}})
+        assert wait_paused(stack, paused).is_paused()
+        [waiting] = receiver.wait_for(lambda m: paused in m.get("text", ""))
+        text = waiting["text"]
+        assert "waits for approval" in text and "v1: test_accuracy" in text
+        assert "passed the gate, waiting for approval" in text
+        assert re.search(r"Review: http\S+/artifacts/review/review\.html", text)
+        from prefect.flow_runs import resume_flow_run
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: stack.api}):
+            resume_flow_run(paused, run_input={"approve": True, "comment": "fine"})
+        assert wait_final(stack, paused).state.is_completed()
+
+        def champion(m):  # MLflow's envelope: entity, action, timestamp, data
+            data = m.get("data") or {}
+            return (m.get("entity") == "model_version_alias" and data.get("alias") == "champion"
+                    and data.get("name") == "notify-approval")
+
+        assert len(receiver.wait_for(champion)) == 1  # set by the approval
+        done = subprocess.run([trainflow, "champion", "notify-approval", "1", "--reason",
+                               "by hand"], env=stack.env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        deadline = time.monotonic() + 60
+        while len([m for _, m in receiver.received if champion(m)]) < 2 and (
+                time.monotonic() < deadline):
+            time.sleep(0.5)
+        time.sleep(3)
+        moves = [m for _, m in receiver.received if champion(m)]
+        assert len(moves) == 2 and moves[-1]["data"]["version"] == "1"
+        assert all(secret not in json.dumps(body) for _, body in receiver.received)
+        assert all(path == f"/hooks/{secret}" for path, _ in receiver.received)
+    finally:
+        receiver.server.shutdown()
+        with prefect_client(stack) as client:
+            for name in (notify.APPROVAL, notify.FAILURE):
+                for automation in client.read_automations_by_name(name):
+                    client.delete_automation(automation.id)
+        for hook in stack.mlflow.list_webhooks():
+            stack.mlflow.delete_webhook(hook.webhook_id)
 
 
 def test_work_pools_are_made_with_the_heartbeat_and_the_lost_run_automations(stack):

@@ -124,6 +124,66 @@ def _sqlite_client(tmp_path, monkeypatch) -> MlflowClient:
     return MlflowClient(uri)
 
 
+def test_a_challenger_gets_a_review_beside_its_champion_and_a_model_card(
+        models, digits_split, tmp_path, monkeypatch):
+    """The review of v2 against champion v1 on the same test images, from the gate's own
+    predictions: in the version's MLflow run, its description and a Prefect artifact."""
+    import csv
+    import json
+
+    from prefect.client.orchestration import get_client
+
+    from tasks.gate import champion_predictions
+    from tasks.register import record
+    from tasks.review import REVIEW_TAG, artifact_key, review_version
+
+    client = _sqlite_client(tmp_path, monkeypatch)
+    source, split = digits_split
+    _register(models, "good", client)
+    run_id = client.create_run(client.create_experiment("e-review")).info.run_id
+    evaluation = evaluate_model.fn(models[1]["better"], run_id)
+    lineage = {FLOW_RUN_ID: "flow-review", DATASET_FINGERPRINT: "fp",
+               MANIFEST_SHA256: split.manifest_sha256}
+    registration = register_model.fn(models[1]["better"], evaluation, RegistrySpec(
+        model_name=NAME), run_id, lineage)
+    assert registration.champion_version == "1"
+    review = review_version.fn(source, split, models[1]["better"], evaluation, registration,
+                               run_id, lineage)
+
+    logged = {f.path for f in client.list_artifacts(run_id, "review")}
+    assert logged == {f"review/{n}" for n in ("review.html", "review.json", "model_card.md",
+                                              "reliability.png", "confusion.png")}
+    figures = json.loads((review.folder / "review.json").read_text())
+    assert [m["name"] for m in figures["models"]] == ["challenger v2", "champion v1"]
+    assert figures["images"] == evaluation.images
+    # The changed images, counted by hand from the two predictions files.
+    with open(evaluation.predictions, newline="") as f:
+        ours = {r["path"]: r["correct"] == "1" for r in csv.DictReader(f)}
+        f.seek(0)
+        labels = {r["path"]: r["label"] for r in csv.DictReader(f)}
+    gate = champion_predictions(NAME, "1", split)  # the champion as the gate scored it
+    with open(gate, newline="") as f:
+        theirs = {r["path"]: r["label"] == labels[r["path"]] for r in csv.DictReader(f)}
+    paths = list(ours)
+    assert [paths[i] for i in figures["now_right"]] == [p for p in paths if ours[p] and not theirs[p]]
+    assert [paths[i] for i in figures["now_wrong"]] == [p for p in paths if theirs[p] and not ours[p]]
+    version = client.get_model_version(NAME, registration.version)
+    assert version.description.startswith(registration.description())
+    assert f"## Model card: {NAME} v{registration.version}" in version.description
+    test_counts = split.counts["test"]
+    assert f"| 3 | {split.counts['train']['3']} | {split.counts['val']['3']} | " \
+           f"{test_counts['3']} |" in version.description
+    assert version.tags[REVIEW_TAG] == review.url and review.url.endswith("review/review.html")
+    # A later decision (a person's answer) rewrites the sentence and keeps the card.
+    record(client, registration.model_copy(update={"reason": "approved by a person"}), "approved")
+    after = client.get_model_version(NAME, registration.version).description
+    assert "approved by a person" in after and "## Model card" in after
+    with get_client(sync_client=True) as prefect:
+        artifact = prefect.read_latest_artifacts()
+    [mine] = [a for a in artifact if a.key == artifact_key(NAME, registration.version)]
+    assert registration.description() in mine.data and review.url in mine.data
+
+
 def test_promote_false_registers_without_promoting(models, tmp_path, monkeypatch):
     client = _sqlite_client(tmp_path, monkeypatch)
     _, reg = _register(models, "good", client, RegistrySpec(model_name=NAME, promote=False))
