@@ -10,7 +10,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_TELEMETRY_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 
-.PHONY: install lock demo test test-all test-fast lint services stop bench bench-quality bench-scale soak clean
+.PHONY: install lock demo test test-all test-fast browser lint services stop bench bench-quality bench-scale soak clean
 
 install: $(VENV)/.installed
 
@@ -41,13 +41,19 @@ demo: install
 
 # CI's suite: every test but the `extended` scenarios (long faults, concurrency and the short
 # soak), which `make test-all` adds; CI must stay well under an hour on 2 cores.
-test: install
+test: install browser
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -m "not extended"
 
-test-all: install
+test-all: install browser
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
+
+# Headless Chromium, for the test that screenshots the review page (tests/test_review.py):
+# Debian's package, as root (CI is).
+browser:
+	@command -v chromium-headless-shell >/dev/null || { apt-get update -qq && \
+		apt-get install -y -qq --no-install-recommends chromium-headless-shell; }
 
 test-fast: install
 	$(PY) -m pytest -m "not slow and not e2e"

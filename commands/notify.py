@@ -21,6 +21,8 @@ import argparse
 import os
 import sys
 
+from commands import work_pool
+
 WEBHOOK_BLOCK = "trainflow-notify"
 FLOWS = ["train-flow", "sweep-flow"]
 APPROVAL = "trainflow: a run waits for approval"
@@ -80,16 +82,6 @@ def automations(block_id: str):
     ]
 
 
-def install(block_id: str) -> None:
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        for automation in automations(block_id):
-            for old in client.read_automations_by_name(automation.name):
-                client.delete_automation(old.id)
-            automation.create()
-
-
 def mlflow_webhook(url: str) -> None:
     from mlflow import MlflowClient
     from mlflow.entities.webhook import WebhookAction, WebhookEntity, WebhookEvent
@@ -115,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("trainflow notify: PREFECT_API_URL is not set; export the server's URL "
                  "(e.g. http://127.0.0.1:4200/api) and run it again")
     block_id = _webhook_block(args.webhook) if args.webhook else _block_id(args.block)
-    install(block_id)
+    work_pool.install_automations(automations(block_id))
     said = [f"Prefect automations {APPROVAL!r} and {FAILURE!r}"]
     if args.webhook and os.environ.get("MLFLOW_TRACKING_URI", "").startswith("http"):
         mlflow_webhook(args.webhook)

@@ -97,8 +97,9 @@ def _sorted(value):
     return value
 
 
-def install_automations() -> list[str]:
-    """Create the automations on the server of this process's Prefect settings; their names.
+def install_automations(made: list | None = None) -> list[str]:
+    """Create `made` (the lost-run automations by default) on the server of this process's
+    Prefect settings; their names.
 
     One left as it is when it already reads the same: a proactive trigger keeps what it has
     seen in its automation, so a copy made anew on a restart of the services would forget the
@@ -106,15 +107,16 @@ def install_automations() -> list[str]:
     """
     from prefect.client.orchestration import get_client
 
+    made = automations() if made is None else made
     with get_client(sync_client=True) as client:
-        for automation in automations():
+        for automation in made:
             found = client.read_automations_by_name(automation.name)
             if [_definition(a) for a in found] == [_definition(automation)]:
                 continue
             for old in found:
                 client.delete_automation(old.id)
             automation.create()
-    return [LOST_RUNS, RETRY_LOST]
+    return [automation.name for automation in made]
 
 
 def create(pool: str, env: dict[str, str], kind: str = "process", limit: int | None = None,

@@ -106,3 +106,37 @@ def test_without_a_champion_the_page_shows_the_challenger_and_its_mistakes(answe
                         tmp_path / "data", truth, models[:1]).read_text()
     assert "Wrong: 5" in page and "champion" not in page.replace("no champion yet", "")
     assert len(_pngs(page)) == 2 + 5
+
+
+def test_the_page_renders_in_headless_chromium_with_its_diagram_and_gallery(answers, tmp_path):
+    """A screenshot of the page as a browser draws it (Debian's chromium-headless-shell, which
+    `make test` installs): the reliability diagram's two lines and the changed images'
+    thumbnails are on the screen, not only in the file."""
+    import shutil
+    import subprocess
+
+    browser = shutil.which("chromium-headless-shell") or shutil.which("chromium")
+    assert browser, "no headless Chromium: `make test` installs Debian's chromium-headless-shell"
+    truth, models = answers
+    write_folder_layout(tmp_path / "data", {"cat": 30, "dog": 30, "fox": 30}, size=48)
+    paths = [f"{name}/{p.name}" for name in NAMES
+             for p in sorted((tmp_path / "data" / name).iterdir())]
+    page = write_review(tmp_path / "review", "v2: promoted", compare(truth, models, NAMES),
+                        paths, tmp_path / "data", truth, models)
+    shot = tmp_path / "shot.png"
+    done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                           "--hide-scrollbars", f"--screenshot={shot}",
+                           "--window-size=1100,2400", page.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and shot.is_file(), done.stderr[-2000:]
+    pixels = np.asarray(Image.open(shot).convert("RGB")).reshape(-1, 3)
+
+    def count(rgb) -> int:
+        return int((pixels == np.array(rgb)).all(axis=1).sum())
+
+    # matplotlib's first two line colours: the challenger's and the champion's curves.
+    assert count((0x1F, 0x77, 0xB4)) > 60 and count((0xFF, 0x7F, 0x0E)) > 60
+    # The first changed image's background colour, drawn at its thumbnail's size.
+    with Image.open(tmp_path / "data" / paths[0]) as first:
+        background = first.convert("RGB").getpixel((0, 0))
+    assert count(background) > 1500, count(background)

@@ -198,8 +198,9 @@ def confusion_png(figures: dict, path: Path) -> Path:
         ax.imshow(matrix, cmap=cmap, vmin=-limit if cmap == "RdBu" else 0, vmax=limit)
         if len(names) <= 20:
             for (i, j), value in np.ndenumerate(matrix):
-                if value:
-                    ax.text(j, i, str(value), ha="center", va="center", fontsize=7)
+                if value:  # white on the dark cells
+                    ax.text(j, i, str(value), ha="center", va="center", fontsize=7,
+                            color="white" if abs(value) > 0.6 * limit else "black")
         ax.set(title=title, xlabel="predicted", ylabel="true", xticks=range(len(names)),
                yticks=range(len(names)))
         ax.set_xticklabels(names, rotation=90, fontsize=7)
