@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import fcntl
 import hashlib
 import re
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ from tasks.score import score_files
 from training.config import RegistrySpec, TrainingSpec
 from training.data.split import read_manifest
 from training.handoff import SplitResult
-from training.storage import home, tracking_uri
+from training.storage import file_lock, home, tracking_uri
 
 # Below this many test images the champion scores them in one plain process: measured on 2
 # CPU cores, `accelerate launch` with two ranks took 24.6 s to score 179 digits, nearly all of
@@ -133,8 +132,7 @@ def score_champion(champion, split: SplitResult, training: TrainingSpec, logger,
     folder.mkdir(parents=True, exist_ok=True)
     # One scoring per folder at a time: the early scoring and the gate, or two runs on the
     # same data, then find the other's predictions instead of downloading over them.
-    with open(folder / "lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_lock(folder / "lock"):
         cached = predictions.exists()
         if cached:
             logger.info("champion v%s's predictions on these %d test images are cached",

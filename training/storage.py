@@ -38,10 +38,17 @@ def redacted(uri: str) -> str:
 @contextlib.contextmanager
 def file_lock(path: Path, exclusive: bool = True) -> Iterator[None]:
     """The home's one lock: an advisory lock (flock) on `path`, held for the block. Whoever
-    writes a shared thing (a dataset's files, a decode store) holds it exclusively and checks
-    again, under it, whether another process already wrote it; readers of a thing that
-    changes in place hold it shared. The kernel releases it when a process dies, so a killed
-    writer never leaves it held."""
+    writes a shared thing holds it exclusively and checks again, under it, whether another
+    process already wrote it; readers of a thing that changes in place hold it shared. The
+    kernel releases it when a process dies, so a killed writer never leaves it held.
+
+    Its users, each with a lock file beside what it guards: a built-in or copied dataset
+    (training/data/sources.py), a Kaggle version's download (kaggle.py), torchvision and Hugging
+    Face tables (tables.py), a split folder and its ledger (split.py), a decode store
+    (store.py), the gate's cached champion predictions (tasks/gate.py). What lives on a server
+    (an MLflow experiment, a Prefect concurrency limit) is created once and read back when a
+    concurrent creator won (tasks/tracking.py, tasks/gate.py). tests/test_fresh_home.py and
+    test_e2e.py's fresh-home test start first runs at the same instant."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
