@@ -57,7 +57,10 @@ def stack(tmp_path_factory):
              # The notification test's receiver is plain HTTP on 127.0.0.1, which MLflow's
              # webhooks refuse by default (https only, no private addresses).
              "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
-             "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true"}
+             "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+             # The server reads its webhook list again after this long (60 s by default), so
+             # a webhook made mid-module is seen by the next alias set.
+             "MLFLOW_WEBHOOK_CACHE_TTL": "1"}
     ports = free_port(), free_port()
 
     def start() -> dict:
