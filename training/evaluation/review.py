@@ -68,14 +68,11 @@ def read_served(predictions: Path, paths: list[str], class_names: list[str]
     return np.array(predicted), np.array(confidence)
 
 
-def _per_class(confusion: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Precision, recall and F1 per class from confusion matrices (..., K, K+1): the last
-    column counts images that could not be scored. 0 where undefined, as scikit-learn's
-    zero_division=0."""
-    k = confusion.shape[-2]
-    hits = np.diagonal(confusion[..., :k], axis1=-2, axis2=-1)
-    predicted = confusion[..., :k].sum(axis=-2)
-    actual = confusion.sum(axis=-1)
+def _per_class(hits: np.ndarray, predicted: np.ndarray, actual: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Precision, recall and F1 per class from per-class counts (..., K): right answers,
+    answers of that class, and images of that class (an unscored image counts as a wrong
+    answer of no class). 0 where undefined, as scikit-learn's zero_division=0."""
     with np.errstate(divide="ignore", invalid="ignore"):
         precision = np.where(predicted > 0, hits / predicted, 0.0)
         recall = np.where(actual > 0, hits / actual, 0.0)
@@ -83,15 +80,19 @@ def _per_class(confusion: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return precision, recall, f1
 
 
-def _confusions(truth: np.ndarray, predicted: np.ndarray, k: int, weights: np.ndarray
-                ) -> np.ndarray:
-    """One (K, K+1) confusion matrix per row of `weights` (bootstrap counts per image)."""
+def _class_counts(truth: np.ndarray, predicted: np.ndarray, k: int, weights: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-class counts for each row of `weights` (bootstrap counts per image): three (B, K)
+    products with one-hot columns, so memory grows with the classes, not their square."""
     from scipy.sparse import csr_matrix
 
-    cell = truth * (k + 1) + np.where(predicted < 0, k, predicted)
-    onehot = csr_matrix((np.ones(len(cell)), (np.arange(len(cell)), cell)),
-                        shape=(len(cell), k * (k + 1)))
-    return np.asarray((onehot.T @ weights.T).T).reshape(len(weights), k, k + 1)
+    def onehot(classes: np.ndarray) -> csr_matrix:
+        rows = np.flatnonzero(classes >= 0)
+        return csr_matrix((np.ones(len(rows)), (rows, classes[rows])), shape=(len(classes), k))
+
+    hits = np.where(predicted == truth, truth, -1)
+    return tuple(np.asarray((onehot(c).T @ weights.T).T)
+                 for c in (hits, predicted, truth))
 
 
 def calibration(correct: np.ndarray, confidence: np.ndarray, bins: int = CALIBRATION_BINS
@@ -134,8 +135,9 @@ def compare(truth: np.ndarray, models: list[Scored], class_names: list[str],
                      "models": []}
     correct = [model.predicted == truth for model in models]
     for model, right in zip(models, correct, strict=True):
-        point = _per_class(_confusions(truth, model.predicted, k, np.ones((1, n)))[0])
-        resampled = _per_class(_confusions(truth, model.predicted, k, weights))
+        point = [m[0] for m in _per_class(*_class_counts(truth, model.predicted, k,
+                                                          np.ones((1, n))))]
+        resampled = _per_class(*_class_counts(truth, model.predicted, k, weights))
         per_class = {}
         for c, name in enumerate(class_names):
             per_class[name] = {metric: {"value": float(point[m][c]),
@@ -201,10 +203,11 @@ def confusion_png(figures: dict, path: Path) -> Path:
                 if value:  # white on the dark cells
                     ax.text(j, i, str(value), ha="center", va="center", fontsize=7,
                             color="white" if abs(value) > 0.6 * limit else "black")
-        ax.set(title=title, xlabel="predicted", ylabel="true", xticks=range(len(names)),
-               yticks=range(len(names)))
-        ax.set_xticklabels(names, rotation=90, fontsize=7)
-        ax.set_yticklabels(names, fontsize=7)
+        ax.set(title=title, xlabel="predicted", ylabel="true")
+        if len(names) <= 50:  # beyond, names are unreadable and drawing them takes seconds
+            ax.set(xticks=range(len(names)), yticks=range(len(names)))
+            ax.set_xticklabels(names, rotation=90, fontsize=7)
+            ax.set_yticklabels(names, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
