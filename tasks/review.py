@@ -82,7 +82,7 @@ def model_card(source: DatasetRef, split: SplitResult, trained: TrainResult,
 they appear in `{source.source}`. Images unlike those were not measured.
 
 **Training data.** `{source.source}`, fingerprint `{source.fingerprint[:12]}`,
-{source.image_count} images; split {how_split(split)}, {split.quarantined} quarantined.
+{source.image_count} images, {how_split(split)}; {split.quarantined} quarantined.
 
 | class | train | val | test |
 |---|---|---|---|
