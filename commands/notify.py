@@ -74,11 +74,11 @@ def automations(block_id: str):
         Automation(name=APPROVAL, trigger=trigger("Paused"), actions=[SendNotification(
             block_document_id=block_id,
             subject="{{ flow.name }} run {{ flow_run.name }} waits for approval",
-            body=f"{{{{ flow_run.state.message }}}}\nApprove or reject it: {LINK}")]),
+            body="{{ flow_run.state.message }}\nApprove or reject it: " + LINK)]),
         Automation(name=FAILURE, trigger=trigger("Failed", "Crashed"), actions=[SendNotification(
             block_document_id=block_id,
             subject="{{ flow.name }} run {{ flow_run.name }}: {{ flow_run.state.name }}",
-            body=f"{{{{ flow_run.state.message }}}}\nThe run: {LINK}")]),
+            body="{{ flow_run.state.message }}\nThe run: " + LINK)]),
     ]
 
 

@@ -65,6 +65,7 @@ MIN_TEST_IMAGES_PER_CLASS = 30
 CARD_MARKER = "\n\n---\n"
 """Between the gate's sentence and the model card in a version's description."""
 
+
 class Registration(BaseModel):
     model_name: str
     version: str

@@ -55,7 +55,8 @@ def stack(tmp_path_factory):
     extra = {"TRAINFLOW_HOME": str(home), "PREFECT_HOME": str(folder / "prefect"),
              "PWD": str(REPO),  # prefect.yaml's pull step is "{{ $PWD }}" at deploy time
              # The notification test's receiver is plain HTTP on 127.0.0.1, which MLflow's
-             # webhooks refuse by default (https only, no private addresses).
+             # webhooks refuse by default (https only, no private addresses). The second
+             # switch is MLflow's internal _MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS: test-only.
              "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
              "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
              # The server reads its webhook list again after this long (60 s by default), so
