@@ -1,6 +1,11 @@
 """Make a registered version the champion by hand: a rollback, or a person's choice.
 
+    trainflow champion digits-classifier                # the champion and later versions
     trainflow champion digits-classifier 1 --reason "v2 misreads sevens in production"
+
+Without a version it lists the champion and every later version, each with its test figures,
+the gate's decision and its shadow record (predict-flow with `shadow: challenger`): how often
+it agreed with the champion on production batches.
 
 The version holds `champion` until a later challenger beats it on the same test images; the
 gate compares only with the current champion, so nothing moves it back on its own. Setting
@@ -45,13 +50,52 @@ def set_champion(model_name: str, version: str, reason: str) -> str:
     return f"{model_name} v{version} is champion{was}: {reason}"
 
 
+def describe_versions(model_name: str) -> str:
+    """The champion and each later version, one line each, newest first."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from tasks.lineage import champion_version
+    from tasks.register import PROMOTION, TEST_METRICS
+    from tasks.shadow import SHADOW_RECORD
+    from training.storage import tracking_uri
+
+    client = MlflowClient(tracking_uri())
+    champion = champion_version(client, model_name)
+    since = int(champion.version) if champion is not None else 0
+    found = client.search_model_versions(f"name='{model_name}'")
+    lines = []
+    for version in sorted(found, key=lambda v: -int(v.version)):
+        if int(version.version) < since:
+            continue
+        tags = version.tags
+        figures = json.loads(tags.get(TEST_METRICS, "{}"))
+        line = (f"v{version.version}{' (champion)' * (int(version.version) == since)}: "
+                f"test accuracy {figures.get('accuracy', float('nan')):.4f}, "
+                f"{tags.get(PROMOTION, 'not judged')}")
+        if SHADOW_RECORD in tags:
+            record = json.loads(tags[SHADOW_RECORD])
+            share = record["agreeing"] / record["images"] if record["images"] else 0.0
+            line += (f"\n    v{version.version}: shadowed champion v{record['champion']} on "
+                     f"{record['batches']} batch{'es' * (record['batches'] != 1)}, "
+                     f"{record['images']} images, agreed on {record['agreeing']} "
+                     f"({100 * share:.1f}%); last batch: MLflow run {record['last_run']}")
+        lines.append(line)
+    return "\n".join(lines) or f"no versions of {model_name!r}"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trainflow champion", description=__doc__.split("\n")[0])
     parser.add_argument("model_name")
-    parser.add_argument("version")
+    parser.add_argument("version", nargs="?",
+                        help="the version to make champion; without it, list the versions")
     parser.add_argument("--reason", default="chosen by a person",
                         help="why; recorded on the version")
     args = parser.parse_args(argv)
+    if args.version is None:
+        print(describe_versions(args.model_name))
+        return
     print(set_champion(args.model_name, args.version, args.reason))
 
 

@@ -21,6 +21,7 @@ from prefect import flow
 from pydantic import BaseModel
 
 from tasks.data import prepare_dataset, split_dataset
+from tasks.drift import record_drift_reference
 from tasks.evaluate import Evaluation, evaluate_model
 from tasks.infrastructure import end_with_worker
 from tasks.lineage import lineage_tags
@@ -73,6 +74,7 @@ def sweep_flow(
         lineage = lineage_tags(dataset, split, best.job.training, registry, source, data)
         evaluation = evaluate_model(best, summary.best_run_id)
         registration = register_model(best, evaluation, registry, summary.best_run_id, lineage)
+        record_drift_reference(data, evaluation, summary.best_run_id)
         review = review_version(source, data, best, evaluation, registration,
                                 summary.best_run_id, lineage)
         if registration.awaiting_approval:

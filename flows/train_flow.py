@@ -19,6 +19,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from tasks.data import prepare_dataset, split_dataset
+from tasks.drift import record_drift_reference
 from tasks.evaluate import Evaluation, evaluate_model
 from tasks.gate import score_champion_early
 from tasks.infrastructure import end_with_worker
@@ -30,7 +31,7 @@ from tasks.report import publish_report
 from tasks.review import Review, review_version
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run, run_url
 from tasks.train import train_model
-from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
+from training.config import DatasetSpec, RegistrySpec, RetrainSpec, SplitSpec, TrainingSpec
 from training.data.sides import split_sides
 from training.handoff import TrainResult
 from training.storage import home, tracking_uri
@@ -55,6 +56,7 @@ def train_flow(
     training: TrainingSpec = TrainingSpec(),  # noqa: B008
     registry: RegistrySpec = RegistrySpec(),  # noqa: B008
     force: bool = False,
+    retrain: RetrainSpec = RetrainSpec(),  # noqa: B008  (read by watch-data, not by the run)
 ) -> FlowResult:
     end_with_worker()  # tasks/infrastructure.py: a worker's flow runs end with it
     specs = resolve_parameters({"dataset": dataset, "split": split, "training": training,
@@ -75,6 +77,7 @@ def train_flow(
         evaluation = evaluate_model(trained, run_id)
         champion_scored.wait()  # the gate finds its predictions in its cache
         registration = register_model(trained, evaluation, registry, run_id, lineage)
+        record_drift_reference(data, evaluation, run_id)
         review = review_version(source, data, trained, evaluation, registration, run_id,
                                 lineage)
         if registration.awaiting_approval:

@@ -22,6 +22,8 @@ from trainflow_serving.images import IMAGE_EXTENSIONS
 from training.config import DatasetSpec, TrainingSpec
 from training.data.sources import fetch
 from training.engine.events import ScoringFinished, last_from_rank_0
+from training.evaluation.drift import Drift
+from training.evaluation.shadow import Shadow
 from training.storage import home, redacted, tracking_uri, write_text_atomic
 
 KAGGLE_TEST_FOLDERS = ("test", "test1")  # where competitions keep their unlabelled images
@@ -34,7 +36,10 @@ class ScoringError(ValueError):
 
 class ScoringModel(BaseModel):
     uri: str
+    name: str
     version: str
+    run_id: str | None = None
+    """the MLflow run that logged the version (its drift reference is there)"""
     local_path: Path
     class_names: list[str]
 
@@ -53,6 +58,10 @@ class Scores(BaseModel):
     images_per_second: float
     world_size: int
     mlflow_run_id: str | None = None
+    statistics: Path | None = None
+    """each image's drift statistics (statistics.csv), when the drift check is on"""
+    drift: Drift | None = None
+    shadow: Shadow | None = None
 
 
 @task
@@ -79,7 +88,8 @@ def resolve_model(model_name: str, alias: str, folder: Path) -> ScoringModel:
                            "with train-flow")
     local = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(folder),
                                                      tracking_uri=tracking_uri()))
-    return ScoringModel(uri=uri, version=str(version.version), local_path=local,
+    return ScoringModel(uri=uri, name=model_name, version=str(version.version),
+                        run_id=version.run_id, local_path=local,
                         class_names=metadata["class_names"])
 
 
@@ -110,20 +120,24 @@ class Scored(BaseModel):
     errors: int
     world_size: int
     seconds: float
+    statistics: Path | None = None
+    """statistics.csv (path, one column per drift statistic), when asked for"""
 
 
 def score_files(model_dir: Path, paths: list[Path], root: Path, out: Path, spec: TrainingSpec,
-                logger, one_process: bool = False, extra_env: dict[str, str] | None = None
-                ) -> Scored:
+                logger, one_process: bool = False, extra_env: dict[str, str] | None = None,
+                statistics: bool = False) -> Scored:
     """Score every file exactly once with a downloaded model, under `accelerate launch` with
     `spec`'s launch fields (every GPU of this machine): predict-flow and the gate alike.
     `one_process`: in one plain process instead, for a few images. `extra_env`: for the
-    scoring's processes (OMP_NUM_THREADS beside a training, say)."""
+    scoring's processes (OMP_NUM_THREADS beside a training, say). `statistics`: each image's
+    drift statistics too (training/evaluation/drift.py), in statistics.csv."""
     listing = out / "images.txt"
     write_text_atomic(listing, "".join(f"{p}\n" for p in paths))
     started = time.perf_counter()
     events = launch(spec.on_this_machine(), "training.score",
-                    ["--model", str(model_dir), "--images", str(listing), "--out", str(out)],
+                    ["--model", str(model_dir), "--images", str(listing), "--out", str(out)]
+                    + ["--statistics"] * statistics,
                     out, logger, on_event=lambda event: None, extra_env=extra_env,
                     one_process=one_process)
     seconds = time.perf_counter() - started
@@ -133,23 +147,27 @@ def score_files(model_dir: Path, paths: list[Path], root: Path, out: Path, spec:
     scored = done.scored
     if scored["images"] != len(paths):
         raise RuntimeError(f"scored {scored['images']} images of {len(paths)}")
+    measured = out / "statistics.csv"
     return Scored(predictions=_relative_paths(Path(scored["predictions"]), root),
                   images=scored["images"], errors=scored["errors"],
-                  world_size=done.world_size, seconds=seconds)
+                  world_size=done.world_size, seconds=seconds,
+                  statistics=_relative_paths(measured, root) if statistics else None)
 
 
 @task(retries=1, retry_delay_seconds=2)
 def score_images(model: ScoringModel, images: Images, out: Path,
-                 num_processes: int | str = "auto") -> Scores:
-    """Every image scored exactly once, by every process (GPU) of this machine."""
+                 num_processes: int | str = "auto", statistics: bool = False) -> Scores:
+    """Every image scored exactly once, by every process (GPU) of this machine; `statistics`:
+    with each image's drift statistics."""
     spec = TrainingSpec(num_processes=num_processes)  # only its launch fields are used
-    scored = score_files(model.local_path, images.paths, images.root, out, spec, run_logger())
+    scored = score_files(model.local_path, images.paths, images.root, out, spec, run_logger(),
+                         statistics=statistics)
     submission = None
     if any(slug in images.source for slug in DOGS_VS_CATS) and "dog" in model.class_names:
         submission = kaggle_submission(scored.predictions, out / "submission.csv")
     return Scores(predictions=scored.predictions, submission=submission, images=scored.images,
                   errors=scored.errors, images_per_second=scored.images / scored.seconds,
-                  world_size=scored.world_size)
+                  world_size=scored.world_size, statistics=scored.statistics)
 
 
 def _relative_paths(predictions: Path, root: Path) -> Path:

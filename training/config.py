@@ -593,6 +593,28 @@ class RegistrySpec(Spec):
         "version unpromoted, and the version says so.")
 
 
+class RetrainSpec(Spec):
+    """When new data starts a train-flow deployment's run (read by watch-data, not the run)."""
+
+    min_new_images: int = Field(
+        1, ge=1, description="New or changed labelled images, counted since the last retrain "
+        "watch-data started, that make it emit trainflow.dataset.changed as due: the "
+        "deployment's trigger on that event starts a run (prefect.yaml).")
+
+
+class DriftSpec(Spec):
+    """When predict-flow calls what it scored drifted from the champion's own test set."""
+
+    check: bool = Field(True, description="Compare each batch with the champion's test set.")
+    p_value: float = Field(
+        0.01, gt=0, lt=1, description="A test is failed below this p-value, after "
+        "Bonferroni's correction for the number of tests.")
+    min_effect: float = Field(
+        0.1, ge=0, le=1, description="And only when its effect is at least this large "
+        "(Kolmogorov-Smirnov distance, or Cramer's V for the class shares), so that a large "
+        "batch does not call a trivial difference drift.")
+
+
 def fields_with(*roles: Role) -> frozenset[str]:
     """The TrainingSpec fields declared with one of `roles`."""
     return frozenset(name for name, info in TrainingSpec.model_fields.items()

@@ -16,20 +16,24 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
 from accelerate import Accelerator
 
 from training.data.rows import image_bytes
 from training.engine.events import Heartbeat, ScoringFinished
 from training.engine.progress import ProgressWriter, Rank, start_rank
+from training.evaluation.drift import STATISTICS, image_statistics
 from training.processes import die_with_parent, exit_after_teardown
 from training.storage import write_text_atomic
 
 CHUNK = 256
+STATISTIC_PREFIX = "statistic_"
 
 
 def score(model_dir: Path, paths: list[str], accelerator: Accelerator, rank: Rank,
-          progress: ProgressWriter):
-    """The predictions of every path, in order, on the main process (None elsewhere)."""
+          progress: ProgressWriter, statistics: bool = False):
+    """The predictions of every path, in order, on the main process (None elsewhere);
+    `statistics`: with STATISTICS columns (`statistic_<name>`) for predict-flow's drift check."""
     import mlflow
     import pandas as pd
     import torch
@@ -49,8 +53,14 @@ def score(model_dir: Path, paths: list[str], accelerator: Accelerator, rank: Ran
     with accelerator.split_between_processes(list(range(len(paths)))) as mine:
         for start in range(0, len(mine), CHUNK):
             rows = mine[start:start + CHUNK]
-            frame = model.predict(pd.DataFrame({"image": [_read(paths[i]) for i in rows]}))
+            images = [_read(paths[i]) for i in rows]
+            frame = model.predict(pd.DataFrame({"image": images}))
             frame.insert(0, "path", [paths[i] for i in rows])
+            if statistics:
+                values = np.array([image_statistics(data) for data in images]).reshape(
+                    len(images), len(STATISTICS))
+                for k, name in enumerate(STATISTICS):
+                    frame[f"{STATISTIC_PREFIX}{name}"] = values[:, k]
             frame.index = rows
             frames.append(frame)
             progress.emit(Heartbeat, phase="score", step=start + len(rows), total=len(mine))
@@ -105,14 +115,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, required=True, help="a downloaded MLflow model")
     parser.add_argument("--images", type=Path, required=True, help="a file of image paths")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--statistics", action="store_true",
+                        help="also write statistics.csv: each image's drift statistics")
     args = parser.parse_args(argv)
     die_with_parent()
     paths = args.images.read_text().splitlines()
     accelerator = Accelerator()
     rank, progress = start_rank(accelerator, args.out)
     with progress.reporting_errors():
-        predictions = score(args.model, paths, accelerator, rank, progress)
+        predictions = score(args.model, paths, accelerator, rank, progress, args.statistics)
         if predictions is not None:
+            measured = [c for c in predictions.columns if c.startswith(STATISTIC_PREFIX)]
+            if measured:
+                write_text_atomic(args.out / "statistics.csv", predictions[["path", *measured]]
+                                  .rename(columns=lambda c: c.removeprefix(STATISTIC_PREFIX))
+                                  .to_csv(index=False))
+                predictions = predictions.drop(columns=measured)
             write_text_atomic(args.out / "predictions.csv", predictions.to_csv(index=False))
         accelerator.wait_for_everyone()
     summary = None

@@ -1,0 +1,165 @@
+"""What predict-flow tells about a batch: drift from the champion's test split, and how the
+newest challenger would have labelled it (shadow scoring).
+
+Two real trainings on the digits, registered in a SQLite MLflow store (v1 champion, v2 a
+challenger left unpromoted), each with the drift reference the flows record; predict-flow runs
+on the real Prefect engine and its events are read back from the server.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import time
+
+import httpx
+import mlflow
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+from PIL import Image, ImageFilter, ImageOps
+
+from commands.champion import describe_versions
+from tasks.drift import EVENT, record_drift_reference
+from tasks.evaluate import evaluate_model
+from tasks.lineage import FLOW_RUN_ID
+from tasks.register import register_model
+from tasks.shadow import SHADOW_RECORD
+from tasks.train import run_training
+from training.config import RegistrySpec
+from training.data.split import read_manifest
+from training.evaluation.drift import STATISTICS
+from training.handoff import TrainJob
+
+pytestmark = pytest.mark.slow
+NAME = "watched-digits"
+
+
+@pytest.fixture(scope="module")
+def versions(digits_split, tmp_path_factory):
+    _, split = digits_split
+    folder = tmp_path_factory.mktemp("drift")
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        client = MlflowClient(uri)
+        experiment = client.create_experiment("drift", artifact_location=(folder / "a").as_uri())
+        for epochs, promote in ((3, True), (1, False)):
+            job = TrainJob(split=split, output_dir=folder / f"train-{epochs}",
+                           training={"image_size": 12, "num_processes": 1, "batch_size": 32,
+                                     "epochs": epochs, "lr": 0.003})
+            trained = run_training(job, logging.getLogger("t"))
+            run_id = client.create_run(experiment).info.run_id
+            evaluation = evaluate_model.fn(trained, run_id)
+            register_model.fn(trained, evaluation, RegistrySpec(model_name=NAME, promote=promote),
+                              run_id, {FLOW_RUN_ID: f"drift-{epochs}"})
+            record_drift_reference.fn(split, evaluation, run_id)
+    assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
+    assert str(client.get_model_version_by_alias(NAME, "challenger").version) == "2"
+    val = [path for path, _, side in read_manifest(split.manifest) if side == "val"]
+    return {"uri": uri, "root": split.root, "val": val}
+
+
+def _copies(versions, folder, change=None, n=None):
+    """The val images (never trained on, never in the reference) as new files."""
+    folder.mkdir(parents=True)
+    for i, path in enumerate(versions["val"][:n]):
+        image = Image.open(versions["root"] / path).convert("L")
+        (change(image) if change else image).save(folder / f"{i:04d}.png")
+    return folder
+
+
+def drift_events(api: str) -> list[dict]:
+    found = httpx.post(f"{api}/events/filter",
+                       json={"filter": {"event": {"name": [EVENT]}}, "limit": 50}).json()
+    return found["events"]
+
+
+def wait_for_events(api: str, count: int, timeout: float = 60) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while (events := drift_events(api)) and len(events) < count or not events and count:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    return events
+
+
+def test_a_batch_like_the_test_set_passes_and_inverted_or_blurred_copies_drift(
+        versions, prefect_engine, tmp_path, monkeypatch):
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.predict_flow import predict_flow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", versions["uri"])
+    api = PREFECT_API_URL.value()
+    client = MlflowClient(versions["uri"])
+    like = predict_flow(images=str(_copies(versions, tmp_path / "like")), model_name=NAME,
+                        num_processes=1)
+    assert like.drift is not None and not like.drift.drifted, like.drift
+    assert {t.name for t in like.drift.tests} == {"classes", "confidence", *STATISTICS}
+    recorded = client.get_run(like.mlflow_run_id).data.metrics
+    assert recorded["drift"] == 0 and "drift_brightness_p_value" in recorded
+
+    changes = {"inverted": ImageOps.invert,
+               "blurred": lambda image: image.resize((32, 32)).filter(
+                   ImageFilter.GaussianBlur(4))}
+    for number, (name, change) in enumerate(changes.items(), start=1):
+        scores = predict_flow(images=str(_copies(versions, tmp_path / name, change)),
+                              model_name=NAME, num_processes=1)
+        assert scores.drift.drifted, (name, scores.drift)
+        metrics = client.get_run(scores.mlflow_run_id).data.metrics
+        assert metrics["drift"] == 1
+        drifted = set(scores.drift.drifted_tests)
+        assert drifted & {"brightness", "sharpness", "contrast"}, (name, scores.drift)
+        assert all(metrics[f"drift_{t}_effect"] >= 0.1 for t in drifted)
+        # One event per drifted batch, none for the batch like the test set (its event, if
+        # any, was sent first by the same process).
+        events = wait_for_events(api, number)
+        assert len(events) == number, events
+        newest = max(events, key=lambda e: e["occurred"])
+        assert newest["resource"]["trainflow.model"] == NAME
+        assert newest["resource"]["trainflow.model_version"] == "1"
+        assert newest["payload"]["mlflow_run_id"] == scores.mlflow_run_id
+        assert set(newest["payload"]["drifted"]) == drifted
+
+
+def test_shadow_scoring_writes_the_champions_predictions_and_counts_agreement(
+        versions, prefect_engine, tmp_path, monkeypatch):
+    from flows.predict_flow import predict_flow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", versions["uri"])
+    folder = tmp_path / "batch"
+    folder.mkdir()
+    for i, path in enumerate(sorted(versions["root"].rglob("*.png"))[::9]):
+        (folder / f"{i:03d}.png").write_bytes(path.read_bytes())
+    assert len(list(folder.iterdir())) == 200
+
+    scores = predict_flow(images=str(folder), model_name=NAME, num_processes=1,
+                          shadow="challenger", drift={"check": False})
+
+    # The hand count: both versions loaded as a user would, on the same 200 files.
+    frame = pd.DataFrame({"image": [p.read_bytes() for p in sorted(folder.iterdir())]})
+    champion = mlflow.pyfunc.load_model(f"models:/{NAME}/1").predict(frame)["label"].tolist()
+    challenger = mlflow.pyfunc.load_model(f"models:/{NAME}/2").predict(frame)["label"].tolist()
+    agreeing = sum(a == b for a, b in zip(champion, challenger, strict=True))
+    with open(scores.predictions, newline="") as f:
+        written = [r["label"] for r in sorted(csv.DictReader(f), key=lambda r: r["path"])]
+    assert written == champion  # only the champion's predictions are written
+    shadow = scores.shadow
+    assert (shadow.champion, shadow.challenger) == ("1", "2")
+    assert shadow.overall.images == 200 and shadow.overall.agreeing == agreeing
+    for label, figures in shadow.per_class.items():
+        mine = [i for i, c in enumerate(champion) if c == label]
+        assert figures.images == len(mine)
+        assert figures.agreeing == sum(challenger[i] == label for i in mine)
+    with open(shadow.differences, newline="") as f:
+        assert len(list(csv.DictReader(f))) == 200 - agreeing
+
+    client = MlflowClient(versions["uri"])
+    run = client.get_run(scores.mlflow_run_id)
+    assert run.data.metrics["shadow_agreement"] == pytest.approx(agreeing / 200)
+    assert {a.path for a in client.list_artifacts(scores.mlflow_run_id, "shadow")} == {
+        "shadow/shadow.json", "shadow/differences.csv"}
+    assert SHADOW_RECORD in client.get_model_version(NAME, "2").tags
+    listing = describe_versions(NAME)
+    assert f"v2: shadowed champion v1 on 1 batch, 200 images, agreed on {agreeing}" in listing
