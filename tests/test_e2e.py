@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 from mlflow import MlflowClient
@@ -792,3 +793,109 @@ def test_a_lost_machine_is_crashed_by_its_heartbeats_and_retried_to_completion(s
     assert crashed.timestamp.timestamp() - killed_at < (
         work_pool.LOST_AFTER_S + work_pool.HEARTBEAT_S + 30)
     assert_finished_once(stack, "lost-machine", flow_run_id)
+
+
+def dataset_events(stack: Stack, deployment: str, count: int, timeout: float = 60
+                   ) -> list[dict]:
+    """The deployment's trainflow.dataset.changed events, once `count` of them are stored
+    (the server stores events in batches, a few seconds after they arrive)."""
+    from tasks.watch import DEPLOYMENT_LABEL, EVENT
+
+    deadline = time.monotonic() + timeout
+    while True:
+        found = httpx.post(f"{stack.api}/events/filter", json={"filter": {
+            "event": {"name": [EVENT]},
+            "resource": {"labels": {DEPLOYMENT_LABEL: [deployment]}}}, "limit": 50},
+            timeout=30)
+        found.raise_for_status()
+        events = sorted(found.json()["events"], key=lambda e: e["occurred"])
+        if len(events) >= count or time.monotonic() > deadline:
+            return events
+        time.sleep(1)
+
+
+def runs_of(stack: Stack, deployment: str) -> list:
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    with prefect_client(stack) as client:
+        found = client.read_deployment_by_name(deployment)
+        return client.read_flow_runs(deployment_filter=DeploymentFilter(
+            id=DeploymentFilterId(any_=[found.id])))
+
+
+def test_new_labelled_images_start_a_retrain_through_the_deployments_trigger(stack, tmp_path):
+    """watch-data (deployed, run by the worker) finds 30 new images in a folder: one
+    trainflow.dataset.changed event with the counts per class, and train-flow/watched's
+    trigger (as prefect.yaml writes it) starts exactly one run, on the grown folder. Then 5 more,
+    below the deployment's retrain.min_new_images of 20: an event, no run; 20 more reach it
+    (25 since the last retrain): the second run, and only it."""
+    import shutil
+
+    from tasks.watch import DEPLOYMENT_LABEL, EVENT, RETRAIN_LABEL
+    from training.data.sources import write_digits
+
+    digits = write_digits(tmp_path / "digits")
+    data = tmp_path / "photos"
+    files = {label: sorted((digits / label).glob("*.png")) for label in ("0", "1", "2")}
+
+    def add(label: str, count: int) -> None:
+        (data / label).mkdir(parents=True, exist_ok=True)
+        have = len(list((data / label).iterdir()))
+        for f in files[label][have:have + count]:
+            shutil.copy(f, data / label / f.name)
+
+    for label in files:
+        add(label, 40)
+    trigger = {"type": "event", "enabled": True, "expect": [EVENT],
+               "match": {DEPLOYMENT_LABEL: "train-flow/watched", RETRAIN_LABEL: "due"}}
+    done = subprocess.run([PREFECT, "--no-prompt", "deploy", "flows/train_flow.py:train_flow",
+                           "--name", "watched", "--pool", "e2e-pool", "--trigger",
+                           json.dumps(trigger), "--params", json.dumps({
+                               "dataset": {"source": str(data)}, "training": SMALL,
+                               "registry": {"model_name": "watched-digits"},
+                               "retrain": {"min_new_images": 20}})],
+                          cwd=REPO, env=stack.env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = subprocess.run([PREFECT, "--no-prompt", "deploy", "flows/watch_flow.py:watch_data",
+                           "--name", "watch-e2e", "--pool", "e2e-pool", "--params",
+                           json.dumps({"deployments": ["train-flow/watched"]})],
+                          cwd=REPO, env=stack.env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    def watch() -> None:
+        run = wait_final(stack, run_with_param(stack, "watch-data/watch-e2e"))
+        assert run.state.is_completed(), run.state.message
+
+    def retrain(expected: int) -> object:
+        deadline, runs = time.monotonic() + 120, []
+        while len(runs) < expected and time.monotonic() < deadline:
+            runs = runs_of(stack, "train-flow/watched")
+            time.sleep(1)
+        assert len(runs) == expected, runs
+        newest = max(runs, key=lambda r: r.created)
+        assert wait_final(stack, str(newest.id)).state.is_completed()
+        inputs = mlflow_run_of(stack, str(newest.id)).inputs.dataset_inputs
+        return sum(json.loads(i.dataset.profile)["num_rows"] for i in inputs)
+
+    watch()  # the baseline: nothing to say yet
+    for label in files:
+        add(label, 10)
+    watch()
+    [event] = dataset_events(stack, "train-flow/watched", 1)
+    assert event["resource"][RETRAIN_LABEL] == "due"
+    assert event["payload"]["new"] == {"0": 10, "1": 10, "2": 10}
+    assert event["payload"]["changed"] == {} and event["payload"]["removed"] == {}
+    assert event["payload"]["images"] == 150
+    assert retrain(1) == 150  # the run trained on the grown folder
+
+    add("0", 5)
+    watch()
+    events = dataset_events(stack, "train-flow/watched", 2)
+    assert len(events) == 2 and events[-1]["resource"][RETRAIN_LABEL] == "not-due"
+    assert events[-1]["payload"]["new"] == {"0": 5}
+    add("1", 20)
+    watch()
+    events = dataset_events(stack, "train-flow/watched", 3)
+    assert len(events) == 3 and events[-1]["resource"][RETRAIN_LABEL] == "due"
+    assert events[-1]["payload"]["new"] == {"0": 5, "1": 20}
+    assert retrain(2) == 175  # the not-due event, processed before this one, started nothing
