@@ -1,5 +1,6 @@
-"""trainflow notify: a team hears when a run waits for a person, fails or crashes, and when a
-model version gets an alias (the champion moving, after the gate or a hand rollback).
+"""trainflow notify: a team hears when a run waits for a person, fails or crashes, when what a
+champion scores drifts, and when a model version gets an alias (the champion moving, after the
+gate or a hand rollback).
 
     trainflow notify --webhook https://hooks.slack.com/services/T0/B0/XXXX   # Slack, or any
                                                                              # JSON receiver
@@ -9,6 +10,8 @@ Through the tools' own mechanisms, on the servers of PREFECT_API_URL and MLFLOW_
 - two Prefect automations send a notification block's message for train-flow and sweep-flow
   runs: "waits for approval" (its state message carries the version, the gate's sentence and the
   review's link) and "failed" / "crashed" (with the error); each with the run's link;
+- a third, for predict-flow's `trainflow.scoring.drift` event: the model, its version, the
+  tests that drifted and the batch's MLflow run;
 - an MLflow webhook (its server, a SQL store) posts every alias set on a model version.
 With --webhook, the URL is saved as a Prefect `CustomWebhookNotificationBlock` (a secret field,
 JSON body `{"text": ...}`, which Slack's incoming webhooks take) and as MLflow's webhook; it is
@@ -27,6 +30,7 @@ WEBHOOK_BLOCK = "trainflow-notify"
 FLOWS = ["train-flow", "sweep-flow"]
 APPROVAL = "trainflow: a run waits for approval"
 FAILURE = "trainflow: a run failed or crashed"
+DRIFT = "trainflow: a scored batch drifted"
 MLFLOW_WEBHOOK = "trainflow-aliases"
 LINK = "{{ flow_run|ui_url }}"
 
@@ -63,6 +67,8 @@ def automations(block_id: str):
     from prefect.events.actions import SendNotification
     from prefect.events.schemas.automations import EventTrigger, Posture
 
+    from tasks.drift import EVENT as DRIFT_EVENT
+
     ours = {"prefect.resource.role": "flow", "prefect.resource.name": FLOWS}
     runs = {"prefect.resource.id": "prefect.flow-run.*"}
 
@@ -79,6 +85,16 @@ def automations(block_id: str):
             block_document_id=block_id,
             subject="{{ flow.name }} run {{ flow_run.name }}: {{ flow_run.state.name }}",
             body="{{ flow_run.state.message }}\nThe run: " + LINK)]),
+        Automation(name=DRIFT, trigger=EventTrigger(
+            expect={DRIFT_EVENT}, match={"prefect.resource.id": "trainflow.model.*"},
+            posture=Posture.Reactive, threshold=1), actions=[SendNotification(
+                block_document_id=block_id,
+                subject="{{ event.resource['trainflow.model'] }} "
+                        "v{{ event.resource['trainflow.model_version'] }}: a scored batch "
+                        "drifted from its test split",
+                body="Drifted: {{ event.payload.drifted|join(', ') }} "
+                     "({{ event.payload.batch_images }} images). The batch's MLflow run: "
+                     "{{ event.payload.mlflow_run_id }}")]),
     ]
 
 
@@ -108,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
                  "(e.g. http://127.0.0.1:4200/api) and run it again")
     block_id = _webhook_block(args.webhook) if args.webhook else _block_id(args.block)
     work_pool.install_automations(automations(block_id))
-    said = [f"Prefect automations {APPROVAL!r} and {FAILURE!r}"]
+    said = [f"Prefect automations {APPROVAL!r}, {FAILURE!r} and {DRIFT!r}"]
     if args.webhook and os.environ.get("MLFLOW_TRACKING_URI", "").startswith("http"):
         mlflow_webhook(args.webhook)
         said.append(f"the MLflow webhook {MLFLOW_WEBHOOK!r} (aliases set)")

@@ -199,3 +199,24 @@ def test_every_train_flow_deployment_in_prefect_yaml_has_valid_parameters():
             {**BLOCKS, "retrain": RetrainSpec}[name].model_validate(block)
         checked.append(deployment["name"])
     assert {"digits", "dogs-vs-cats", "mnist"} <= set(checked)
+
+
+def test_every_deployment_in_prefect_yaml_gives_its_flow_valid_parameters():
+    """As the server will validate them: each deployment's parameters against its flow's own
+    signature (train-node's come from train-flow at run time)."""
+    import importlib
+    from pathlib import Path
+
+    import yaml
+
+    recipe = yaml.safe_load((Path(__file__).parents[1] / "prefect.yaml").read_text())
+    checked = []
+    for deployment in recipe["deployments"]:
+        path, name = deployment["entrypoint"].split(":")
+        flow = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
+        if flow.name == "train-node":
+            continue
+        flow.validate_parameters(deployment.get("parameters", {}))
+        checked.append(f"{flow.name}/{deployment['name']}")
+    assert {"train-flow/photos", "predict-flow/photos-incoming",
+            "watch-data/every-10-minutes", "sweep-flow/digits-sweep"} <= set(checked)

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import yaml
 from mlflow import MlflowClient
 
 from commands import services, work_pool
@@ -662,10 +663,11 @@ class Receiver:
         raise AssertionError(f"no such message in {self.received}")
 
 
-def test_a_team_hears_of_an_approval_wait_a_failure_and_an_alias_move(stack):
+def test_a_team_hears_of_an_approval_wait_a_failure_an_alias_move_and_drift(stack):
     """`trainflow notify --webhook URL`: one message for a failed run, one for a run waiting
     for approval (its version, the gate's sentence, the review, the run's link), one for a
-    champion moved by hand; the URL's secret path is in none of them, nor printed."""
+    champion moved by hand, one for a drift event; the URL's secret path is in none of them,
+    nor printed."""
     from commands import notify
 
     receiver = Receiver()
@@ -715,12 +717,27 @@ def test_a_team_hears_of_an_approval_wait_a_failure_and_an_alias_move(stack):
         time.sleep(3)
         moves = [m for _, m in receiver.received if champion(m)]
         assert len(moves) == 2 and moves[-1]["data"]["version"] == "1"
+
+        from prefect.events import emit_event
+
+        from tasks.drift import EVENT
+
+        with temporary_settings({PREFECT_API_URL: stack.api}):  # as predict-flow sends it
+            emit_event(EVENT, resource={"prefect.resource.id": "trainflow.model.notify-drift",
+                                        "trainflow.model": "notify-drift",
+                                        "trainflow.model_version": "3"},
+                       payload={"drifted": ["brightness", "confidence"], "batch_images": 179,
+                                "mlflow_run_id": "0123abcd"})
+        [drift] = receiver.wait_for(lambda m: "notify-drift" in m.get("text", ""))
+        assert "notify-drift v3: a scored batch drifted" in drift["text"]
+        assert "Drifted: brightness, confidence (179 images)" in drift["text"]
+        assert "0123abcd" in drift["text"]
         assert all(secret not in json.dumps(body) for _, body in receiver.received)
         assert all(path == f"/hooks/{secret}" for path, _ in receiver.received)
     finally:
         receiver.server.shutdown()
         with prefect_client(stack) as client:
-            for name in (notify.APPROVAL, notify.FAILURE):
+            for name in (notify.APPROVAL, notify.FAILURE, notify.DRIFT):
                 for automation in client.read_automations_by_name(name):
                     client.delete_automation(automation.id)
         for hook in stack.mlflow.list_webhooks():
@@ -846,8 +863,12 @@ def test_new_labelled_images_start_a_retrain_through_the_deployments_trigger(sta
 
     for label in files:
         add(label, 40)
-    trigger = {"type": "event", "enabled": True, "expect": [EVENT],
-               "match": {DEPLOYMENT_LABEL: "train-flow/watched", RETRAIN_LABEL: "due"}}
+    # The trigger as prefect.yaml gives train-flow/photos, for this deployment.
+    recipe = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    [trigger] = [t for d in recipe["deployments"] if d["name"] == "photos"
+                 for t in d["triggers"] if t["expect"] == [EVENT]]
+    assert trigger["match"] == {DEPLOYMENT_LABEL: "train-flow/photos", RETRAIN_LABEL: "due"}
+    trigger["match"][DEPLOYMENT_LABEL] = "train-flow/watched"
     done = subprocess.run([PREFECT, "--no-prompt", "deploy", "flows/train_flow.py:train_flow",
                            "--name", "watched", "--pool", "e2e-pool", "--trigger",
                            json.dumps(trigger), "--params", json.dumps({
