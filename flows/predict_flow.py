@@ -49,7 +49,8 @@ def predict_flow(images: str, model_name: str = "train-flow-model", alias: str =
     model = resolve_model(model_name, alias, run_dir / "model")
     challenger = resolve_shadow(model, run_dir / "shadow" / "model") if shadow else None
     found = find_images(images, subdir)
-    scores = score_images(model, found, run_dir, num_processes, drift.check)
+    scores = score_images(model, found, run_dir, num_processes,
+                          drift.statistics_images if drift.check else 0)
     scores = publish_scores(model, found, scores)
     if drift.check:
         scores.drift = check_drift(model, scores, drift, run_dir / "drift")

@@ -45,7 +45,8 @@ def record_drift_reference(split: SplitResult, evaluation: Evaluation, mlflow_ru
                            ) -> Path:
     """The version's test split as predict-flow will see a batch, logged to its MLflow run."""
     rows = _rows(evaluation.predictions)
-    statistics = [image_statistics(image_bytes(split.root / r["path"])) for r in rows]
+    every = -(-len(rows) // DriftSpec().statistics_images)  # as predict-flow samples a batch
+    statistics = [image_statistics(image_bytes(split.root / r["path"])) for r in rows[::every]]
     reference = Sample.of([r["predicted"] for r in rows],
                           [float(r["probability"]) for r in rows], statistics)
     path = evaluation.output_dir.parent / "drift" / "reference.json"

@@ -59,7 +59,8 @@ class Scores(BaseModel):
     world_size: int
     mlflow_run_id: str | None = None
     statistics: Path | None = None
-    """each image's drift statistics (statistics.csv), when the drift check is on"""
+    """drift statistics of the batch's images, or of a sample (statistics.csv), when the
+    drift check is on"""
     drift: Drift | None = None
     shadow: Shadow | None = None
 
@@ -126,18 +127,18 @@ class Scored(BaseModel):
 
 def score_files(model_dir: Path, paths: list[Path], root: Path, out: Path, spec: TrainingSpec,
                 logger, one_process: bool = False, extra_env: dict[str, str] | None = None,
-                statistics: bool = False) -> Scored:
+                statistics: int = 0) -> Scored:
     """Score every file exactly once with a downloaded model, under `accelerate launch` with
     `spec`'s launch fields (every GPU of this machine): predict-flow and the gate alike.
     `one_process`: in one plain process instead, for a few images. `extra_env`: for the
-    scoring's processes (OMP_NUM_THREADS beside a training, say). `statistics`: each image's
-    drift statistics too (training/evaluation/drift.py), in statistics.csv."""
+    scoring's processes (OMP_NUM_THREADS beside a training, say). `statistics`: the drift
+    statistics (training/evaluation/drift.py) of about that many images, in statistics.csv."""
     listing = out / "images.txt"
     write_text_atomic(listing, "".join(f"{p}\n" for p in paths))
     started = time.perf_counter()
     events = launch(spec.on_this_machine(), "training.score",
                     ["--model", str(model_dir), "--images", str(listing), "--out", str(out)]
-                    + ["--statistics"] * statistics,
+                    + ["--statistics", str(statistics)] * bool(statistics),
                     out, logger, on_event=lambda event: None, extra_env=extra_env,
                     one_process=one_process)
     seconds = time.perf_counter() - started
@@ -156,9 +157,9 @@ def score_files(model_dir: Path, paths: list[Path], root: Path, out: Path, spec:
 
 @task(retries=1, retry_delay_seconds=2)
 def score_images(model: ScoringModel, images: Images, out: Path,
-                 num_processes: int | str = "auto", statistics: bool = False) -> Scores:
+                 num_processes: int | str = "auto", statistics: int = 0) -> Scores:
     """Every image scored exactly once, by every process (GPU) of this machine; `statistics`:
-    with each image's drift statistics."""
+    with the drift statistics of about that many of them."""
     spec = TrainingSpec(num_processes=num_processes)  # only its launch fields are used
     scored = score_files(model.local_path, images.paths, images.root, out, spec, run_logger(),
                          statistics=statistics)

@@ -94,8 +94,11 @@ def test_a_batch_like_the_test_set_passes_and_inverted_or_blurred_copies_drift(
     api = PREFECT_API_URL.value()
     client = MlflowClient(versions["uri"])
     like = predict_flow(images=str(_copies(versions, tmp_path / "like")), model_name=NAME,
-                        num_processes=1)
+                        num_processes=1, drift={"statistics_images": 100})
     assert like.drift is not None and not like.drift.drifted, like.drift
+    # The statistics of a sample spread over the batch (every 2nd of 179), the rest of all.
+    assert like.drift.batch_images == 179
+    assert len(pd.read_csv(like.statistics)) == 90
     assert {t.name for t in like.drift.tests} == {"classes", "confidence", *STATISTICS}
     recorded = client.get_run(like.mlflow_run_id).data.metrics
     assert recorded["drift"] == 0 and "drift_brightness_p_value" in recorded

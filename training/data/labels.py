@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from trainflow_serving.images import IMAGE_EXTENSIONS
@@ -105,12 +107,25 @@ def _from_folders(root: Path) -> list[tuple[str, str]]:
     return pairs
 
 
+def _image_files(folder: str) -> Iterator[str]:
+    """Every candidate image under `folder`, following links as `Path.rglob` does; os.scandir
+    reads each entry's type with the listing, where pathlib's rglob + is_file stat every file
+    again (25,000 files: 1.0 s of watch-data's 1.3 s)."""
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_dir():
+                yield from _image_files(entry.path)
+            elif (entry.is_file() and not entry.name.startswith(".")
+                  and os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS):
+                yield entry.path
+
+
 def _from_class_folders(root: Path, classes: Path) -> list[tuple[str, str]]:
     pairs = []
+    prefix = len(str(root)) + 1
     for class_dir in sorted(p for p in classes.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        for path in class_dir.rglob("*"):
-            if _is_candidate(path):
-                pairs.append((path.relative_to(root).as_posix(), class_dir.name))
+        for path in _image_files(str(class_dir)):
+            pairs.append((path[prefix:].replace(os.sep, "/"), class_dir.name))
     if not pairs and any(_is_candidate(p) for p in classes.iterdir()):
         raise DatasetError(
             f'{classes} holds images directly, not in one sub-folder per class: use labels="filename" '

@@ -30,7 +30,7 @@ def image_statistics(data: bytes) -> tuple[float, ...]:
     """STATISTICS of one encoded image, each in [0, 1]; NaN for an unreadable one."""
     try:
         with Image.open(io.BytesIO(data)) as image:
-            image.draft("RGB", (THUMBNAIL * 2, THUMBNAIL * 2))  # JPEG: decode at 1/2..1/8 size
+            image.draft("RGB", (THUMBNAIL, THUMBNAIL))  # JPEG: decode at 1/2..1/8 size
             rgb = image.convert("RGB").resize((THUMBNAIL, THUMBNAIL), Image.Resampling.BILINEAR)
     except (OSError, ValueError, Image.DecompressionBombError):
         return (math.nan,) * len(STATISTICS)
