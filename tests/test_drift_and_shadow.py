@@ -9,7 +9,6 @@ on the real Prefect engine and its events are read back from the server.
 from __future__ import annotations
 
 import csv
-import logging
 import time
 
 import httpx
@@ -21,15 +20,10 @@ from PIL import Image, ImageFilter, ImageOps
 
 from commands.champion import describe_versions
 from tasks.drift import EVENT, record_drift_reference
-from tasks.evaluate import evaluate_model
-from tasks.lineage import FLOW_RUN_ID
-from tasks.register import register_model
 from tasks.shadow import SHADOW_RECORD
-from tasks.train import run_training
-from training.config import RegistrySpec
+from tests.versions import register_trained
 from training.data.split import read_manifest
 from training.evaluation.drift import STATISTICS
-from training.handoff import TrainJob
 
 pytestmark = pytest.mark.slow
 NAME = "watched-digits"
@@ -40,20 +34,14 @@ def versions(digits_split, tmp_path_factory):
     _, split = digits_split
     folder = tmp_path_factory.mktemp("drift")
     uri = f"sqlite:///{folder / 'mlflow.db'}"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", uri)
-        client = MlflowClient(uri)
-        experiment = client.create_experiment("drift", artifact_location=(folder / "a").as_uri())
-        for epochs, promote in ((3, True), (1, False)):
-            job = TrainJob(split=split, output_dir=folder / f"train-{epochs}",
-                           training={"image_size": 12, "num_processes": 1, "batch_size": 32,
-                                     "epochs": epochs, "lr": 0.003})
-            trained = run_training(job, logging.getLogger("t"))
-            run_id = client.create_run(experiment).info.run_id
-            evaluation = evaluate_model.fn(trained, run_id)
-            register_model.fn(trained, evaluation, RegistrySpec(model_name=NAME, promote=promote),
-                              run_id, {FLOW_RUN_ID: f"drift-{epochs}"})
+    for epochs, promote in ((3, True), (1, False)):
+        evaluation, _, run_id = register_trained(
+            split, folder, uri, "drift", NAME, {"epochs": epochs, "lr": 0.003},
+            f"drift-{epochs}", promote)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MLFLOW_TRACKING_URI", uri)
             record_drift_reference.fn(split, evaluation, run_id)
+    client = MlflowClient(uri)
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
     assert str(client.get_model_version_by_alias(NAME, "challenger").version) == "2"
     val = [path for path, _, side in read_manifest(split.manifest) if side == "val"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import logging
 import re
 import subprocess
 import sys
@@ -20,14 +19,9 @@ import pytest
 from mlflow import MlflowClient
 from PIL import Image
 
-from tasks.evaluate import evaluate_model
-from tasks.lineage import FLOW_RUN_ID
-from tasks.register import register_model
-from tasks.train import run_training
 from tests.servers import started
-from training.config import RegistrySpec
+from tests.versions import register_trained
 from training.data.split import read_manifest
-from training.handoff import TrainJob
 from training.processes import free_port
 
 pytestmark = pytest.mark.slow
@@ -40,18 +34,8 @@ def registered(digits_split, tmp_path_factory):
     _, split = digits_split
     folder = tmp_path_factory.mktemp("served")
     uri = f"sqlite:///{folder / 'mlflow.db'}"
-    job = TrainJob(split=split, output_dir=folder / "train",
-                   training={"image_size": 12, "num_processes": 1, "batch_size": 32,
-                             "epochs": 2})
-    trained = run_training(job, logging.getLogger("t"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", uri)
-        client = MlflowClient(uri)
-        experiment = client.create_experiment("served", artifact_location=(folder / "art").as_uri())
-        run_id = client.create_run(experiment).info.run_id
-        evaluation = evaluate_model.fn(trained, run_id)
-        registration = register_model.fn(trained, evaluation, RegistrySpec(model_name=NAME),
-                                         run_id, {FLOW_RUN_ID: "served"})
+    evaluation, registration, _ = register_trained(split, folder, uri, "served", NAME,
+                                                   {"epochs": 2}, "served")
     assert registration.promoted
     # Only clear-cut predictions are compared: a different thread count can move the last
     # float digits, which may flip a near-tie but never a label above 0.5.
