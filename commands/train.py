@@ -30,8 +30,8 @@ from training.config import (
     InvalidParameters,
     RegistrySpec,
     SplitSpec,
-    SweepSpec,
     TrainingSpec,
+    check_search_space,
     merge_blocks,
     problems_of,
     validate_blocks,
@@ -69,8 +69,7 @@ class SweepArgs(TrainArgs):
     @field_validator("search_space")
     @classmethod
     def _searchable(cls, space: dict) -> dict:
-        SweepSpec._known_fields(space)  # the flow's own rule: searchable fields, valid choices
-        return space
+        return check_search_space(space)  # the flow's own rule
 
 
 class RunArgs(BaseModel):

@@ -21,7 +21,9 @@ from training.processes import die_with_parent
 
 def started_by_worker() -> int | None:
     """The pid of the Prefect worker that started this flow-run process, if one did."""
-    if not os.environ.get("PREFECT__FLOW_RUN_ID"):
+    from prefect.runtime import deployment
+
+    if not deployment.get_id():  # a worker runs deployments' runs only
         return None
     try:
         parent = psutil.Process(os.getppid())

@@ -129,7 +129,7 @@ def warm_imports(model_name: str) -> None:
             # Logging a model checks its requirements against the installed packages through
             # a map of every installed distribution's modules, built on first use and cached
             # (about 2 s on 2 cores). Built here instead; if MLflow renames it, log_model
-            # builds it as before.
+            # builds it as before (tests/test_library_internals.py holds MLflow to it).
             from mlflow.utils.requirements_utils import _init_packages_to_modules_map
 
             _init_packages_to_modules_map()

@@ -672,20 +672,7 @@ class SweepSpec(Spec):
     @field_validator("search_space")
     @classmethod
     def _known_fields(cls, space: dict[str, Distribution]) -> dict[str, Distribution]:
-        if not space:
-            raise ValueError('search_space is empty; e.g. {"lr": {"log_uniform": [1e-4, 1e-1]}}')
-        unknown = sorted(set(space) - SEARCHABLE)
-        if unknown:
-            raise ValueError(f"search_space names {unknown}, which are not searchable training "
-                             f"fields; use some of: {', '.join(sorted(SEARCHABLE))}")
-        for name, dist in space.items():
-            for value in dist.choice or []:
-                try:
-                    TrainingSpec(**{name: value})
-                except ValueError as e:
-                    raise ValueError(f"search_space.{name}: choice {value!r} is not a valid "
-                                     f"training.{name}: {e}") from None
-        return space
+        return check_search_space(space)
 
     def base_trial(self, base: TrainingSpec) -> dict:
         """The base spec's own values that lie in the space: tried first, so that a sweep
@@ -698,6 +685,25 @@ class SweepSpec(Spec):
 
         values = {name: getattr(base, name) for name in self.search_space}
         return {k: v for k, v in values.items() if inside(v, self.search_space[k])}
+
+
+def check_search_space(space: dict[str, Distribution]) -> dict[str, Distribution]:
+    """The search space's rule, shared by SweepSpec and the CLI's typed arguments: searchable
+    training fields only, and choices each field accepts."""
+    if not space:
+        raise ValueError('search_space is empty; e.g. {"lr": {"log_uniform": [1e-4, 1e-1]}}')
+    unknown = sorted(set(space) - SEARCHABLE)
+    if unknown:
+        raise ValueError(f"search_space names {unknown}, which are not searchable training "
+                         f"fields; use some of: {', '.join(sorted(SEARCHABLE))}")
+    for name, dist in space.items():
+        for value in dist.choice or []:
+            try:
+                TrainingSpec(**{name: value})
+            except ValueError as e:
+                raise ValueError(f"search_space.{name}: choice {value!r} is not a valid "
+                                 f"training.{name}: {e}") from None
+    return space
 
 
 BLOCKS: dict[str, type[Spec]] = {"dataset": DatasetSpec, "split": SplitSpec,

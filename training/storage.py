@@ -32,7 +32,7 @@ def redacted(uri: str) -> str:
     if not parts.password:
         return uri
     host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))  # namedtuple API
 
 
 @contextlib.contextmanager

@@ -489,6 +489,8 @@ def _huggingface(spec: DatasetSpec):
                 "set dataset.image_column and dataset.label_column")
     digest = hashlib.sha256(json.dumps(
         [spec.image_column, spec.label_column,
+         # datasets has no public content hash; its fingerprint follows the data files, held
+         # so by tests/test_library_internals.py
          {s: d._fingerprint for s, d in loaded.items()}], sort_keys=True).encode()).hexdigest()
     return digest, lambda: _read_hf(loaded, spec)
 
