@@ -108,7 +108,8 @@ print(sorted(m for m in ('torch', 'torchvision', 'matplotlib') if m in sys.modul
     assert done.returncode == 0, done.stderr[-2000:]
     imported, launch, checked = done.stdout.splitlines()[-3:]
     assert imported == "[]"
-    assert "'--num_processes', '2'" in launch  # "auto" on this 2-core machine
+    # "auto": this machine's GPUs, or 2 processes on a CPU machine with 2 cores or more
+    assert f"'--num_processes', '{TrainingSpec().resolved_num_processes()}'" in launch
     assert checked == "[]"
 
 

@@ -24,10 +24,8 @@ SMALL = {"epochs": 2, "image_size": 12, "batch_size": 50}
 
 
 def test_full_flow_on_digits(prefect_engine, session_home):
-    started = time.monotonic()
     result = train_flow(dataset={"source": "builtin:digits"}, training=SMALL,
                         registry={"model_name": "flow-digits"})
-    assert time.monotonic() - started < 300
     client = MlflowClient(tracking_uri())
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
