@@ -32,7 +32,7 @@ from PIL import Image, ImageDraw, ImageFilter
 from safetensors.torch import load_model
 
 from bench.baseline import make_datasets
-from tasks.launcher import launch_command, launch_env
+from runtime.launcher import launch_command, launch_env
 from tasks.train import run_training
 from trainflow_serving.images import load_resized
 from training.config import DatasetSpec, SplitSpec

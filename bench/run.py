@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import psutil
 
 from bench.make_photos import make as make_photos
-from tasks.launcher import launch_command, launch_env
+from runtime.launcher import launch_command, launch_env
 from training.config import DatasetSpec, SplitSpec
 from training.data.sources import prepare
 from training.data.split import split_dataset

@@ -114,7 +114,7 @@ def bare_launch(job, folder: Path) -> float:
     split's predictions in the same processes (`--evaluate-into`)."""
     import subprocess
 
-    from tasks.launcher import launch_command, launch_env
+    from runtime.launcher import launch_command, launch_env
 
     folder.mkdir(parents=True, exist_ok=True)
     job = job.model_copy(update={"output_dir": folder})

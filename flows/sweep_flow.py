@@ -20,10 +20,10 @@ import sys
 from prefect import flow
 from pydantic import BaseModel
 
+from runtime.infrastructure import end_with_worker
 from tasks.data import prepare_dataset, split_dataset
 from tasks.drift import record_drift_reference
 from tasks.evaluate import Evaluation, evaluate_model
-from tasks.infrastructure import end_with_worker
 from tasks.lineage import lineage_tags
 from tasks.parameters import BLOCKS, resolve_parameters
 from tasks.preflight import check_before_start
@@ -56,7 +56,7 @@ def sweep_flow(
     storage: str | None = None,
     pruning_warmup_epochs: int = 1,
 ) -> SweepResult:
-    end_with_worker()  # tasks/infrastructure.py: a worker's flow runs end with it
+    end_with_worker()  # runtime/infrastructure.py: a worker's flow runs end with it
     specs = resolve_parameters({"dataset": dataset, "split": split, "training": training,
                                 "registry": registry})
     dataset, split, training, registry = (specs[k] for k in BLOCKS)

@@ -18,11 +18,11 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
+from runtime.infrastructure import end_with_worker
 from tasks.data import prepare_dataset, split_dataset
 from tasks.drift import record_drift_reference
 from tasks.evaluate import Evaluation, evaluate_model
 from tasks.gate import score_champion_early
-from tasks.infrastructure import end_with_worker
 from tasks.lineage import FLOW_RUN_URL, find_unchanged_champion, lineage_tags
 from tasks.parameters import BLOCKS, resolve_parameters
 from tasks.preflight import check_before_start
@@ -58,7 +58,7 @@ def train_flow(
     force: bool = False,
     retrain: RetrainSpec = RetrainSpec(),  # noqa: B008  (read by watch-data, not by the run)
 ) -> FlowResult:
-    end_with_worker()  # tasks/infrastructure.py: a worker's flow runs end with it
+    end_with_worker()  # runtime/infrastructure.py: a worker's flow runs end with it
     specs = resolve_parameters({"dataset": dataset, "split": split, "training": training,
                                 "registry": registry})
     dataset, split, training, registry = (specs[k] for k in BLOCKS)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from tasks.infrastructure import end_with_worker
+from runtime.infrastructure import end_with_worker
 from tasks.nodes import launch_node
 
 
@@ -19,5 +19,5 @@ from tasks.nodes import launch_node
 def train_node(job_file: Path, machine_rank: int, resume: bool = True,
                machine_0_run: str | None = None) -> int:
     """`machine_0_run`: the flow run of machine 0, where machines 1.. read its address."""
-    end_with_worker()  # tasks/infrastructure.py: a worker's flow runs end with it
+    end_with_worker()  # runtime/infrastructure.py: a worker's flow runs end with it
     return launch_node(job_file, machine_rank, resume, machine_0_run)

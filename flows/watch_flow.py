@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.infrastructure import end_with_worker
+from runtime.infrastructure import end_with_worker
 from tasks.watch import Watched, watch_deployment, watched_deployments
 
 
 @flow(name="watch-data", log_prints=True)
 def watch_data(deployments: list[str] | None = None) -> list[Watched]:
     """deployments: "train-flow/<name>" to watch; every train-flow deployment when empty."""
-    end_with_worker()  # tasks/infrastructure.py: a worker's flow runs end with it
+    end_with_worker()  # runtime/infrastructure.py: a worker's flow runs end with it
     return [watch_deployment(d) for d in watched_deployments(deployments)]

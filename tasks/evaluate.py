@@ -10,8 +10,8 @@ from mlflow.entities import Metric, Param
 from prefect import task
 from pydantic import BaseModel
 
+from runtime.launcher import launch
 from tasks import MLFLOW_RETRIES, RESUMABLE, run_logger
-from tasks.launcher import launch
 from tasks.train import evaluation_dir
 from training.engine.events import ClassFigures, Evaluated, TestMetrics, last_from_rank_0
 from training.evaluation.plots import training_curves_png

@@ -41,7 +41,7 @@ from training.storage import file_lock, home, tracking_uri
 # it the launcher's and the ranks' start-up, which sharing so few images out cannot repay.
 ONE_PROCESS_BELOW = 2000
 
-# The early scoring runs beside ranks that already hold every core (tasks/launcher.py shares
+# The early scoring runs beside ranks that already hold every core (runtime/launcher.py shares
 # the cores out among them). torch's default of a thread per core asked for more threads than
 # the machine has: on 2 cores the scoring took 15.0 s beside the training, 11.8 s with one.
 BESIDE_TRAINING = {"OMP_NUM_THREADS": "1"}

@@ -27,14 +27,14 @@ from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
-from tasks import run_logger
-from tasks.launcher import LaunchFailed, Watchdog, describe, failure, launch, rank_errors
-from tasks.network import (
+from runtime.launcher import LaunchFailed, Watchdog, describe, failure, launch, rank_errors
+from runtime.network import (
     address_towards,
     check_main_address,
     rendezvous_env,
     wait_reachable,
 )
+from tasks import run_logger
 from tasks.preflight import check_training
 from training.config import TrainingSpec
 from training.engine.events import Event, Started

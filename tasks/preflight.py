@@ -10,9 +10,9 @@ from pathlib import Path
 
 from prefect import task
 
+from runtime.credentials import MissingSecretBlock, use_secret_blocks
+from runtime.mlflow_logging import fail_fast_http
 from tasks import run_logger
-from tasks.credentials import MissingSecretBlock, use_secret_blocks
-from tasks.mlflow_logging import fail_fast_http
 from training.config import DatasetSpec, TrainingSpec
 from training.data.kaggle import MISSING_CREDENTIALS, find_credentials
 from training.data.sources import check_source

@@ -14,9 +14,9 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
+from runtime.launcher import launch
 from tasks import run_logger
 from tasks.data import credentials_from_secret_block
-from tasks.launcher import launch
 from tasks.tracking import experiment_id, experiment_name, fluent_mlflow
 from trainflow_serving.images import IMAGE_EXTENSIONS
 from training.config import DatasetSpec, TrainingSpec

@@ -27,8 +27,8 @@ from optuna.trial import TrialState
 from prefect import task
 from pydantic import BaseModel, ValidationError
 
+from runtime.launcher import LaunchFailed
 from tasks import run_logger
-from tasks.launcher import LaunchFailed
 from tasks.tracking import fluent_mlflow
 from tasks.train import run_training
 from training.config import Distribution, SweepSpec, TrainingSpec

@@ -11,9 +11,9 @@ import mlflow
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from runtime.launcher import launch
+from runtime.mlflow_logging import EpochLogger
 from tasks import RESUMABLE, run_logger
-from tasks.launcher import launch
-from tasks.mlflow_logging import EpochLogger
 from tasks.tracking import fluent_mlflow
 from trainflow_serving.model_names import network_library
 from training.config import TrainingSpec
@@ -41,7 +41,7 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
     machine; on several (tasks/nodes.py) each machine's launch is a Prefect flow run.
 
     This process logs the run's params and per-epoch metrics to MLflow from the events rank 0
-    reports (tasks/mlflow_logging.py says why not the ranks).
+    reports (runtime/mlflow_logging.py says why not the ranks).
     """
     tracker = EpochLogger(mlflow_run_id, tracking_uri, on_error=lambda message: logger.warning(
         "MLflow logging failed (training went on): %s", message))

@@ -91,7 +91,7 @@ def test_the_flows_load_and_check_without_what_only_the_ranks_need(tmp_path):
 import sys
 import flows.train_flow, flows.sweep_flow, flows.predict_flow
 print(sorted(m for m in ('torch', 'torchvision', 'matplotlib') if m in sys.modules))
-from tasks.launcher import launch_command, launch_env
+from runtime.launcher import launch_command, launch_env
 from tasks.lineage import spec_hash
 from tasks.preflight import check_before_start
 from training.config import DatasetSpec, SplitSpec, TrainingSpec

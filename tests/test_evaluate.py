@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 
-from tasks.launcher import launch_command, launch_env
+from runtime.launcher import launch_command, launch_env
 from training.evaluation.metrics import compute_metrics
 from training.handoff import TrainJob
 

@@ -42,7 +42,7 @@ def test_the_image_holds_code_only():
         if op == "COPY":
             *sources, _ = shlex.split(arg)
             copied.update(sources)
-    assert copied == {"requirements.lock", "pyproject.toml", "prefect.yaml", "training", "tasks",
+    assert copied == {"requirements.lock", "pyproject.toml", "prefect.yaml", "training", "runtime", "tasks",
                       "flows", "commands", "trainflow_serving"}
     ignore = [line for line in (REPO / ".dockerignore").read_text().splitlines()
               if line and not line.startswith("#")]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tasks import launcher
+from runtime import launcher
 from training.config import TrainingSpec
 
 LOG = logging.getLogger("test-launcher")

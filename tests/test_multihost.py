@@ -201,7 +201,7 @@ def test_a_taken_port_on_machine_0_fails_in_seconds_with_its_reason(on_hosts):
 
 
 def test_machine_0_that_is_not_there_is_named(on_hosts):
-    from tasks.network import NetworkProblem, wait_reachable
+    from runtime.network import NetworkProblem, wait_reachable
 
     hosts = on_hosts
     nobody = hosts.addresses[0].rsplit(".", 1)[0] + ".250"

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tasks.launcher import LaunchFailed
+from runtime.launcher import LaunchFailed
 from tasks.train import run_training
 from training.engine.progress import ProgressReader
 from training.handoff import TrainJob

@@ -59,8 +59,8 @@ def test_kaggle_key_never_leaks(prefect_engine, session_home, monkeypatch):
 def test_secret_blocks_fill_the_flow_process_and_never_the_ranks(prefect_engine, monkeypatch):
     from prefect.blocks.system import Secret
 
-    from tasks.credentials import MissingSecretBlock, use_secret_blocks
-    from tasks.launcher import launch_env
+    from runtime.credentials import MissingSecretBlock, use_secret_blocks
+    from runtime.launcher import launch_env
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_USERNAME",
                  "MLFLOW_TRACKING_PASSWORD"):

@@ -13,7 +13,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from tasks.launcher import (
+from runtime.launcher import (
     LaunchFailed,
     LaunchHung,
     LaunchPreempted,
@@ -240,7 +240,7 @@ def test_two_machines_on_loopback_train_one_job(digits_split, tmp_path):
 
 def _bare_launch(job, *options, env=None):
     """A launch with no task around it (machine rank 1 alone, or training without Prefect)."""
-    from tasks.launcher import LaunchWatch, launch_command, launch_env, run_launch
+    from runtime.launcher import LaunchWatch, launch_command, launch_env, run_launch
 
     command = launch_command(job.training, "training.train",
                              ["--job", str(job.save()), *options])

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
 
-from tasks.credentials import SECRET_VARIABLES
+from runtime.credentials import SECRET_VARIABLES
 from training.config import TrainingSpec
 from training.engine.events import Event, Failed, Preempted, last_from_rank_0
 from training.engine.progress import TASK_REPORTS, ProgressReader
