@@ -21,7 +21,7 @@ import sys
 COMMANDS = {"train": "commands.train:train", "run": "commands.train:run",
             "sweep": "commands.train:sweep",
             "predict": "commands.predict:main", "champion": "commands.champion:main",
-            "rerun": "commands.rerun:main", "services": "commands.services:main",
+            "rerun": "commands.rerun:main", "services": "commands.services_command:main",
             "work-pool": "commands.work_pool:main", "notify": "commands.notify:main"}
 
 

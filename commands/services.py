@@ -10,7 +10,6 @@ Everything binds to 127.0.0.1. Process ids go to <folder>/<name>.pid and logs to
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -124,35 +123,3 @@ def stop(folder: Path) -> None:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
             print(f"stopped {pid_file.stem} (pid {pid})")
         pid_file.unlink()
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="trainflow services",
-                                     description="Start or stop the local services.")
-    parser.add_argument("action", choices=["start", "stop"])
-    parser.add_argument("--stack", choices=["local", "production"], default="local",
-                        help="local: SQLite stores and local artifacts; production: PostgreSQL, "
-                        "an S3 bucket and MLflow with basic-auth (commands/production_stack.py)")
-    parser.add_argument("--folder", type=Path, default=Path(".services"))
-    parser.add_argument("--prefect-port", type=int, default=4200)
-    parser.add_argument("--mlflow-port", type=int, default=5000)
-    parser.add_argument("--postgres-port", type=int, default=5433, help="production stack only")
-    parser.add_argument("--s3-port", type=int, default=9000, help="production stack only")
-    args = parser.parse_args(argv)
-    if args.action == "start" and args.stack == "production":
-        from commands import production_stack
-
-        production_stack.start(args.folder, production_stack.StackPorts(
-            args.postgres_port, args.s3_port, args.prefect_port, args.mlflow_port))
-    elif args.action == "start":
-        start(args.folder, args.prefect_port, args.mlflow_port)
-    else:
-        stop(args.folder)
-        from commands import local_server
-
-        if stopped := local_server.stop():  # the one hand-started flows reuse
-            print(stopped)
-
-
-if __name__ == "__main__":
-    main()

@@ -21,9 +21,7 @@ from uuid import UUID
 from prefect import get_client, task
 from prefect.artifacts import create_table_artifact
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-from prefect.client.schemas.objects import WorkQueueStatus
 from prefect.deployments import run_deployment
-from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
@@ -35,7 +33,7 @@ from runtime.network import (
     wait_reachable,
 )
 from tasks import run_logger
-from tasks.preflight import check_training
+from tasks.preflight import NodesUnavailable, check_training, check_workers
 from training.config import TrainingSpec
 from training.engine.events import Event, Started
 from training.engine.progress import ProgressReader
@@ -46,10 +44,6 @@ RENDEZVOUS = "rendezvous: the address of machine 0"
 POLL_S = 1.0
 # A node's flow run starts a fresh interpreter, imports torch and only then launches.
 NODE_STARTUP_S = 180.0
-
-
-class NodesUnavailable(LaunchFailed):
-    """Not enough machines are ready to take the nodes."""
 
 
 # --- the train task's side -------------------------------------------------------------------
@@ -71,35 +65,6 @@ def launch_nodes(spec: TrainingSpec, job_file: Path, output_dir: Path, resume: b
             return watch(client, runs, reader, spec, on_event)
         finally:
             cancel_unfinished(client, runs, logger)
-
-
-def check_workers(client, spec: TrainingSpec) -> None:
-    """Every node has a worker ready to take it, or a clear error now rather than a stuck run."""
-    try:
-        deployment = client.read_deployment_by_name(spec.node_deployment)
-    except ObjectNotFound:
-        raise NodesUnavailable(
-            f"training.num_machines={spec.num_machines} runs each machine's launch as the "
-            f"deployment {spec.node_deployment!r}, which does not exist: run `prefect deploy "
-            "--name nodes` from the repository root (prefect.yaml)") from None
-    pool = deployment.work_pool_name
-    # One queue for all nodes (Kubernetes): one worker starts every pod and the cluster's
-    # scheduler places them, so a polled queue is all that can be checked here.
-    queues = sorted({spec.node_queue(rank) for rank in range(spec.num_machines)})
-    idle = []
-    for queue in queues:
-        try:
-            ready = client.read_work_queue_by_name(queue, work_pool_name=pool).status
-        except ObjectNotFound:
-            ready = None
-        if ready != WorkQueueStatus.READY:
-            idle.append(queue)
-    if idle:
-        raise NodesUnavailable(
-            f"training.num_machines={spec.num_machines} needs a worker on each of the work "
-            f"queues {queues} of pool {pool!r}, and none polls {idle}. On each machine i start "
-            f"`prefect worker start --pool {pool} --work-queue {spec.node_queue(0)}` "
-            "(with its own rank), or lower training.num_machines")
 
 
 def submit(spec: TrainingSpec, job_file: Path, rank: int, resume: bool,

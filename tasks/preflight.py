@@ -9,8 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import task
+from prefect.client.schemas.objects import WorkQueueStatus
+from prefect.exceptions import ObjectNotFound
 
 from runtime.credentials import MissingSecretBlock, use_secret_blocks
+from runtime.launcher import LaunchFailed
 from runtime.mlflow_logging import fail_fast_http
 from tasks import run_logger
 from training.config import DatasetSpec, TrainingSpec
@@ -228,11 +231,42 @@ def check_head(network, head: str | None) -> None:
         raise PreflightError(str(e)) from None
 
 
+class NodesUnavailable(LaunchFailed):
+    """Not enough machines are ready to take the nodes."""
+
+
+def check_workers(client, spec: TrainingSpec) -> None:
+    """Every node has a worker ready to take it, or a clear error now rather than a stuck run."""
+    try:
+        deployment = client.read_deployment_by_name(spec.node_deployment)
+    except ObjectNotFound:
+        raise NodesUnavailable(
+            f"training.num_machines={spec.num_machines} runs each machine's launch as the "
+            f"deployment {spec.node_deployment!r}, which does not exist: run `prefect deploy "
+            "--name nodes` from the repository root (prefect.yaml)") from None
+    pool = deployment.work_pool_name
+    # One queue for all nodes (Kubernetes): one worker starts every pod and the cluster's
+    # scheduler places them, so a polled queue is all that can be checked here.
+    queues = sorted({spec.node_queue(rank) for rank in range(spec.num_machines)})
+    idle = []
+    for queue in queues:
+        try:
+            ready = client.read_work_queue_by_name(queue, work_pool_name=pool).status
+        except ObjectNotFound:
+            ready = None
+        if ready != WorkQueueStatus.READY:
+            idle.append(queue)
+    if idle:
+        raise NodesUnavailable(
+            f"training.num_machines={spec.num_machines} needs a worker on each of the work "
+            f"queues {queues} of pool {pool!r}, and none polls {idle}. On each machine i start "
+            f"`prefect worker start --pool {pool} --work-queue {spec.node_queue(0)}` "
+            "(with its own rank), or lower training.num_machines")
+
+
 def check_machines(training: TrainingSpec) -> None:
     """A worker ready for every machine's node, before the dataset is even downloaded."""
     from prefect import get_client
-
-    from tasks.nodes import NodesUnavailable, check_workers
 
     with get_client(sync_client=True) as client:
         try:
