@@ -69,7 +69,7 @@ def registered_model(trained: TrainResult, home: Path) -> Path:
     """Log the model exactly as register_model does, into a throwaway store; its local folder."""
     import mlflow
 
-    from tasks.register import log_model
+    from tasks.packaging import log_model
 
     mlflow.set_tracking_uri(f"sqlite:///{home / 'mlflow.db'}")
     experiment = mlflow.create_experiment("bench", artifact_location=(home / "art").as_uri())

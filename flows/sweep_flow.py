@@ -21,13 +21,15 @@ from prefect import flow
 from pydantic import BaseModel
 
 from runtime.infrastructure import end_with_worker
+from tasks.approval import apply_approval, ask_for_approval
 from tasks.data import prepare_dataset, split_dataset
+from tasks.decision import Registration
 from tasks.drift import record_drift_reference
 from tasks.evaluate import Evaluation, evaluate_model
 from tasks.lineage import lineage_tags
 from tasks.parameters import BLOCKS, resolve_parameters
 from tasks.preflight import check_before_start
-from tasks.register import Registration, apply_approval, ask_for_approval, register_model
+from tasks.register import register_model
 from tasks.review import review_version
 from tasks.sweep import SweepSummary, run_trials
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run

@@ -19,14 +19,16 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from runtime.infrastructure import end_with_worker
+from tasks.approval import apply_approval, ask_for_approval
 from tasks.data import prepare_dataset, split_dataset
+from tasks.decision import Registration
 from tasks.drift import record_drift_reference
 from tasks.evaluate import Evaluation, evaluate_model
 from tasks.gate import score_champion_early
 from tasks.lineage import FLOW_RUN_URL, find_unchanged_champion, lineage_tags
 from tasks.parameters import BLOCKS, resolve_parameters
 from tasks.preflight import check_before_start
-from tasks.register import Registration, apply_approval, ask_for_approval, register_model
+from tasks.register import register_model
 from tasks.report import publish_report
 from tasks.review import Review, review_version
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run, run_url

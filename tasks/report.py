@@ -6,8 +6,8 @@ from mlflow import MlflowClient
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
+from tasks.decision import Registration
 from tasks.evaluate import Evaluation
-from tasks.register import Registration
 from tasks.tracking import run_url
 from training.data.sources import DatasetRef
 from training.handoff import SplitResult, TrainResult

@@ -18,10 +18,11 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
 from tasks import MLFLOW_RETRIES, run_logger
+from tasks.decision import Registration
 from tasks.evaluate import Evaluation
 from tasks.gate import champion_predictions
 from tasks.lineage import FLOW_RUN_ID, FLOW_RUN_URL, GIT_COMMIT, GIT_DIRTY
-from tasks.register import CARD_MARKER, Registration
+from tasks.register import CARD_MARKER
 from tasks.report import how_split
 from tasks.tracking import run_url
 from training.data.sources import DatasetRef

@@ -400,8 +400,8 @@ def test_decisions_released_together_each_face_the_real_champion(models, tmp_pat
 
 def test_the_gates_reason_says_which_rule_held_the_challenger_back():
     """A tie and a gain below min_improvement are told apart, in the fields a person sets."""
+    from tasks.decision import decide
     from tasks.gate import SameImages
-    from tasks.register import decide
 
     champion = SameImages(version="1", images=100, metrics={"accuracy": 0.90}, correct={},
                           cached=True)

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from tasks.decision import Registration
 from tasks.evaluate import Evaluation, evaluate_model
 from tasks.lineage import FLOW_RUN_ID
-from tasks.register import Registration, register_model
+from tasks.register import register_model
 from tasks.train import run_training
 from training.config import RegistrySpec
 from training.handoff import SplitResult, TrainJob
