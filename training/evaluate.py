@@ -25,11 +25,12 @@ from torch.utils.data import DataLoader, Dataset
 from trainflow_serving.networks import Normalize
 from training.data.cache import CachedImages, decode_split
 from training.engine.events import Evaluated, Heartbeat
-from training.engine.progress import ProgressWriter, Rank, start_rank
+from training.engine.progress import ProgressWriter, Rank
+from training.engine.ranks import run_ranks
 from training.evaluation.metrics import compute_metrics, predictions_csv
 from training.handoff import TrainJob, job_for_ranks
 from training.models.build import load_trained, preprocessing_for
-from training.processes import die_with_parent, exit_after_teardown
+from training.processes import exit_after_teardown
 from training.storage import write_json_atomic, write_text_atomic
 
 LOGITS = "logits.safetensors"
@@ -135,23 +136,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
-    die_with_parent()
     job = job_for_ranks(args.job)
-    accelerator = Accelerator()
-    rank, progress = start_rank(accelerator, args.out)
-    with progress.reporting_errors():
+    with run_ranks(args.out) as (accelerator, rank, progress):
         metrics = evaluate(job, args.weights or job.output_dir / "best.safetensors", args.out,
                            accelerator, rank, progress)
         # Ranks leave together and tear the process group down cleanly: a rank that exits
         # while the main one is still writing pictures can make gloo abort the survivor.
         accelerator.wait_for_everyone()
-    summary = None
-    if metrics is not None:
-        summary = summarize(metrics)
-        print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}))
-    if summary is not None:  # the main rank's
-        progress.emit(Evaluated, metrics=summary, world_size=rank.world, out=str(args.out))
-    accelerator.end_training()
+        if metrics is not None:  # the main rank's
+            summary = summarize(metrics)
+            print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}))
+            progress.emit(Evaluated, metrics=summary, world_size=rank.world, out=str(args.out))
 
 
 if __name__ == "__main__":

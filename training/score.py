@@ -21,9 +21,10 @@ from accelerate import Accelerator
 
 from training.data.rows import image_bytes
 from training.engine.events import Heartbeat, ScoringFinished
-from training.engine.progress import ProgressWriter, Rank, start_rank
+from training.engine.progress import ProgressWriter, Rank
+from training.engine.ranks import run_ranks
 from training.evaluation.drift import STATISTICS, image_statistics
-from training.processes import die_with_parent, exit_after_teardown
+from training.processes import exit_after_teardown
 from training.storage import write_text_atomic
 
 CHUNK = 256
@@ -114,6 +115,17 @@ def _read(path: str) -> bytes:
         return b""  # the model reports the row as unreadable; the others are still scored
 
 
+def write_predictions(predictions, out: Path) -> None:
+    """predictions.csv, and the sampled images' drift statistics apart in statistics.csv."""
+    measured = [c for c in predictions.columns if c.startswith(STATISTIC_PREFIX)]
+    if measured:
+        statistics = predictions[["path", *measured]].dropna()
+        write_text_atomic(out / "statistics.csv", statistics.rename(
+            columns=lambda c: c.removeprefix(STATISTIC_PREFIX)).to_csv(index=False))
+    write_text_atomic(out / "predictions.csv",
+                      predictions.drop(columns=measured).to_csv(index=False))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Score image files with a logged model.")
     parser.add_argument("--model", type=Path, required=True, help="a downloaded MLflow model")
@@ -123,27 +135,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="also write statistics.csv: the drift statistics of N images "
                         "spread over the list")
     args = parser.parse_args(argv)
-    die_with_parent()
     paths = args.images.read_text().splitlines()
-    accelerator = Accelerator()
-    rank, progress = start_rank(accelerator, args.out)
-    with progress.reporting_errors():
+    with run_ranks(args.out) as (accelerator, rank, progress):
         predictions = score(args.model, paths, accelerator, rank, progress, args.statistics)
+        summary = None
         if predictions is not None:
-            measured = [c for c in predictions.columns if c.startswith(STATISTIC_PREFIX)]
-            if measured:
-                write_text_atomic(args.out / "statistics.csv", predictions[["path", *measured]]
-                                  .dropna().rename(columns=lambda c: c.removeprefix(STATISTIC_PREFIX))
-                                  .to_csv(index=False))
-                predictions = predictions.drop(columns=measured)
-            write_text_atomic(args.out / "predictions.csv", predictions.to_csv(index=False))
+            write_predictions(predictions, args.out)
+            summary = {"images": len(predictions),
+                       "errors": int(predictions["error"].notna().sum()),
+                       "predictions": str(args.out / "predictions.csv")}
         accelerator.wait_for_everyone()
-    summary = None
-    if predictions is not None:
-        summary = {"images": len(predictions), "errors": int(predictions["error"].notna().sum()),
-                   "predictions": str(args.out / "predictions.csv")}
-    progress.emit(ScoringFinished, world_size=rank.world, scored=summary)
-    accelerator.end_training()
+        progress.emit(ScoringFinished, world_size=rank.world, scored=summary)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ from training.engine.events import (
 from training.engine.hooks import rank_hooks
 from training.engine.loop import Learner, train_one_epoch, validate
 from training.engine.preemption import EpochSoFar, PreemptionNotice, StopForPreemption
-from training.engine.progress import ProgressWriter, Rank, start_rank, task_reports
+from training.engine.progress import ProgressWriter, Rank, task_reports
+from training.engine.ranks import run_ranks
 from training.engine.schedule import (
     EarlyStopping,
     backbone_parameters,
@@ -63,7 +64,7 @@ from training.engine.schedule import (
 )
 from training.handoff import TrainJob, job_for_ranks
 from training.models.build import load_trained, model_for, preprocessing_for
-from training.processes import die_with_parent, exit_after_teardown
+from training.processes import exit_after_teardown
 from training.storage import write_json_atomic
 
 
@@ -309,15 +310,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="log from the main process through Accelerate's tracker (the run "
                         "named by MLFLOW_RUN_ID, else a new one); train-flow does not need it")
     args = parser.parse_args(argv)
-    die_with_parent()
     job = job_for_ranks(args.job)
-    accelerator = make_accelerator(job, args.log_with)
-    rank, progress = start_rank(accelerator, job.output_dir)  # passed everywhere
-    with progress.reporting_errors():
+    with run_ranks(job.output_dir, lambda: make_accelerator(job, args.log_with)) as (
+            accelerator, rank, progress):  # passed everywhere
         try:
             result = train(job, accelerator, rank, progress, resume=args.resume)
         except StopForPreemption:  # saved and reported: leave cleanly, for the retry
-            accelerator.end_training()
             raise SystemExit(0) from None
         if args.evaluate_into:
             # A second launch would start interpreters, torch and the process group again.
@@ -329,7 +327,6 @@ def main(argv: list[str] | None = None) -> None:
             if images is not None:
                 progress.emit(Predicted, images=images, world_size=rank.world,
                               out=str(args.evaluate_into))
-    accelerator.end_training()  # trackers, and the process group: after the evaluation
 
 
 if __name__ == "__main__":
