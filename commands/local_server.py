@@ -3,7 +3,7 @@
 A flow called with no PREFECT_API_URL would make Prefect start a temporary server for that one
 run: 7-20 s each time, and on a busy machine it misses Prefect's 20 s start-up limit and the run
 dies before doing anything. Prefect itself points to a dedicated server instead. So a
-hand-started flow (the CLI, `python -m flows...`, `make demo`) uses PREFECT_API_URL when it is
+hand-started flow (the CLI: `trainflow train`, `trainflow sweep`, `make demo`) uses PREFECT_API_URL when it is
 set; otherwise the server recorded in $PREFECT_HOME/trainflow-server.json when it still
 answers; otherwise it starts one there in the background (port 4200, or a free one when 4200 is
 taken), waits for it as long as it needs, and records it. Its UI lists every hand-started run.

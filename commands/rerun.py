@@ -20,6 +20,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from tasks.lineage import FLOW_PARAMETERS, GIT_COMMIT, GIT_DIRTY, REPO
 from training.config import LAUNCH_ONLY
@@ -86,9 +88,21 @@ def main(argv: list[str] | None = None) -> None:
           file=sys.stderr)
     # The worktree's packages come first on the path: its code, not this checkout's.
     env = {**os.environ, "PYTHONPATH": str(folder)}
-    done = subprocess.run([sys.executable, "-m", "flows.train_flow", json.dumps(params)],
-                          cwd=folder, env=env)
+    with tempfile.TemporaryDirectory() as tmp:  # not in the worktree: it would read as dirty
+        done = subprocess.run(entry(folder, params, Path(tmp)), cwd=folder, env=env)
     sys.exit(done.returncode)
+
+
+def entry(folder: Path, params: dict, scratch: Path) -> list[str]:
+    """How the worktree's own code starts train-flow with `params`: the CLI with a config file,
+    or, in commits from before flows started only from the CLI, the flow module itself."""
+    flow_module = (folder / "flows" / "train_flow.py").read_text()
+    if 'if __name__ == "__main__":' in flow_module:
+        return [sys.executable, "-m", "flows.train_flow", json.dumps(params)]
+    config = scratch / "parameters.json"
+    config.write_text(json.dumps({k: v for k, v in params.items() if k != "force"}))
+    return [sys.executable, "-m", "commands.main", "train", "--config", str(config)] + (
+        ["--force"] if params.get("force") else [])
 
 
 if __name__ == "__main__":

@@ -113,6 +113,12 @@ def train_parameters(args: TrainArgs, given: dict) -> dict:
             loaded = yaml.safe_load(args.config.read_text()) or {}
         except OSError as e:
             sys.exit(f"trainflow train: cannot read --config {args.config}: {e.strerror}")
+        except yaml.YAMLError as e:
+            sys.exit(f"trainflow train: --config {args.config} is not YAML or JSON: "
+                     f"{' '.join(str(e).split())}")
+        if not isinstance(loaded, dict):
+            sys.exit(f"trainflow train: --config {args.config} holds {type(loaded).__name__}, "
+                     "not the parameter blocks (dataset:, split:, training:, registry:)")
         unknown = set(loaded) - set(BLOCKS)
         if unknown:
             sys.exit(f"trainflow train: {args.config} has {sorted(unknown)}; a config holds "

@@ -1,8 +1,7 @@
 """sweep-flow: an Optuna search over the training spec; the best trial goes through the gate.
 
-    python -m flows.sweep_flow '{"dataset": {"source": "builtin:digits"},
-        "training": {"epochs": 4}, "n_trials": 8,
-        "search_space": {"lr": {"log_uniform": [1e-4, 1e-1]}, "batch_size": {"choice": [32, 64]}}}'
+    trainflow sweep --training.epochs 4 --n_trials 8 \
+        --search_space '{"lr": {"log_uniform": [1e-4, 1e-1]}, "batch_size": {"choice": [32, 64]}}'
     prefect deployment run sweep-flow/digits-sweep
 
 Takes train-flow's parameters (the training spec is the base each trial varies) and the
@@ -13,9 +12,6 @@ $TRAINFLOW_HOME/optuna.db) and runs only the trials still missing.
 """
 
 from __future__ import annotations
-
-import json
-import sys
 
 from prefect import flow
 from pydantic import BaseModel
@@ -87,10 +83,3 @@ def sweep_flow(
     return SweepResult(mlflow_run_id=run_id, sweep=summary, evaluation=evaluation,
                        registration=registration)
 
-
-if __name__ == "__main__":
-    from commands.local_server import local_prefect_api
-
-    with local_prefect_api():  # PREFECT_API_URL, else the reused local server
-        result = sweep_flow(**json.loads(sys.argv[1]))
-    print(result.model_dump_json(indent=2, exclude={"sweep": {"best"}}))

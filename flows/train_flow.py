@@ -1,8 +1,7 @@
 """train-flow: prepare -> split -> train (accelerate launch) -> evaluate -> register.
 
-    python -m flows.train_flow                       # the built-in digits dataset
-    python -m flows.train_flow '{"dataset": {"source": "builtin:digits"},
-                                 "training": {"epochs": 3}}'
+    trainflow train                                  # the built-in digits dataset
+    trainflow train --config run.yaml --training.epochs 3
     prefect deployment run train-flow/digits         # through a Prefect server and worker
 
 From Python: `train_flow(dataset={"source": "builtin:digits"}, training={"epochs": 1})`.
@@ -10,9 +9,6 @@ This module only composes tasks; what each stage does lives in tasks/ and traini
 """
 
 from __future__ import annotations
-
-import json
-import sys
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -92,22 +88,3 @@ def train_flow(
                       prefect_url=lineage.get(FLOW_RUN_URL), trained=trained,
                       evaluation=evaluation, registration=registration, review=review)
 
-
-if __name__ == "__main__":
-    # `python -m flows.train_flow '{json}' [--json]`: the same as `trainflow train`, on
-    # PREFECT_API_URL or the reused local server.
-    from commands.train import run_train
-
-    args = [a for a in sys.argv[1:] if a != "--json"]
-    if {"-h", "--help"} & set(args):
-        sys.exit(print("usage: python -m flows.train_flow '{\"training\": {\"epochs\": 3}}' "
-                       "[--json]\nThe flow's parameters as one JSON object; `trainflow train "
-                       "--help` lists every field."))
-    try:
-        params = json.loads(args[0]) if args else {}
-    except json.JSONDecodeError as e:
-        sys.exit(f"usage: python -m flows.train_flow '{{\"training\": {{\"epochs\": 3}}}}' "
-                 f"[--json] (or `trainflow train --help`); the argument is not JSON: {e}")
-    params.setdefault("dataset", {"source": "builtin:digits"})
-    force = params.pop("force", False)
-    run_train(params, "--json" in sys.argv[1:], force)

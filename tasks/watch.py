@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 from prefect import task
 from prefect.events import emit_event
@@ -84,6 +85,12 @@ def watch_deployment(deployment: WatchedDeployment) -> Watched:
     if not watchable(spec):
         return Watched(deployment=deployment.name, source=spec.source,
                        note=f"a {spec.kind} source: its run checks its version itself")
+    folder = Path(spec.source).expanduser()
+    if not folder.is_dir():  # not made yet: nothing to watch, and nothing wrong with the watch
+        logger.warning("%s: its dataset folder %s does not exist (yet)", deployment.name,
+                       folder.resolve())
+        return Watched(deployment=deployment.name, source=spec.source,
+                       note=f"no folder {folder.resolve()}")
     state_file = home() / "watch" / f"{deployment.id}.json"
     state_file.parent.mkdir(parents=True, exist_ok=True)
     identity = spec.model_dump(mode="json")

@@ -254,15 +254,16 @@ def test_three_first_runs_on_a_fresh_home_all_complete_and_register(stack, tmp_p
     assert copies == ["digits"]
 
 
-def test_a_flow_started_by_hand_uses_the_running_server(stack):
-    """The fast path: with `make services` up and PREFECT_API_URL set, `python -m
-    flows.train_flow` starts no temporary server, and its run is in the server's UI."""
+def test_a_flow_started_by_hand_uses_the_running_server(stack, tmp_path):
+    """The fast path: with `make services` up and PREFECT_API_URL set, `trainflow train`
+    starts no temporary server, and its run is in the server's UI."""
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
     params = {"dataset": {"source": "builtin:digits"}, "training": SMALL,
               "registry": {"model_name": "by-hand"}}
-    done = subprocess.run([str(services.BIN / "python"), "-m", "flows.train_flow",
-                           json.dumps(params), "--json"],
+    (tmp_path / "run.json").write_text(json.dumps(params))
+    done = subprocess.run([str(services.BIN / "trainflow"), "train", "--config",
+                           str(tmp_path / "run.json"), "--json"],
                           cwd=REPO, env=stack.env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     output = done.stdout + done.stderr
@@ -590,11 +591,21 @@ def kill_service(stack: Stack, name: str, sig: int = signal.SIGKILL) -> int:
 
 
 def test_the_prefect_server_restarted_during_training_does_not_stop_the_run(stack):
-    """The API is gone for 15 s mid-training: the ranks go on, the clients retry, the run
-    completes and registers once, and the restarted server shows it."""
+    """The API is gone while the ranks train four more epochs: they go on, the clients retry,
+    the run completes and registers once, and the restarted server shows it."""
     flow_run_id, ranks = slow_training(stack, "prefect-restart", epochs=14)
+    reader = ProgressReader(stack.home / "runs" / flow_run_id / "train")
+
+    def last_epoch(seen: int) -> int:
+        return max([seen] + [e.epoch for e in reader.poll() if e.event == "epoch"])
+
+    before = last_epoch(0)
     kill_service(stack, "prefect-server")
-    time.sleep(15)
+    deadline, now = time.monotonic() + 120, before
+    while now < before + 4 and time.monotonic() < deadline:
+        now = last_epoch(now)
+        time.sleep(0.5)
+    assert now >= before + 4, "the ranks stopped with the API"
     assert all(alive(p) for p in ranks), "the ranks died with the API"
     stack.start()
     run = wait_final(stack, flow_run_id)

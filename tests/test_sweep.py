@@ -115,12 +115,14 @@ def test_a_sweep_prunes_nests_its_runs_and_registers_the_best(prefect_engine, tm
 @pytest.mark.slow
 def test_a_killed_sweep_resumes_without_redoing_finished_trials(tmp_path):
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
-    params = {"dataset": {"source": "builtin:digits"}, "training": SMALL, "n_trials": 4,
-              "search_space": SPACE, "registry": {"model_name": "sweep-resume"},
-              "storage": storage}
+    blocks = {"dataset": {"source": "builtin:digits"}, "training": SMALL,
+              "registry": {"model_name": "sweep-resume"}}
+    (tmp_path / "sweep.json").write_text(json.dumps(blocks))
     env = {**os.environ, "TRAINFLOW_HOME": str(tmp_path / "home"),
            "PREFECT_HOME": str(tmp_path / "prefect")}
-    command = [sys.executable, "-m", "flows.sweep_flow", json.dumps(params)]
+    command = [str(Path(sys.executable).with_name("trainflow")), "sweep", "--config",
+               str(tmp_path / "sweep.json"), "--n_trials", "4", "--search_space",
+               json.dumps(SPACE), "--storage", storage]
     first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
     finished: list = []

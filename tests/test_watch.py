@@ -44,3 +44,14 @@ def test_only_folders_are_watched():
     assert watchable(DatasetSpec(source="/data/photos"))
     assert not watchable(DatasetSpec(source="builtin:digits"))
     assert not watchable(DatasetSpec(source="kaggle:competitions/dogs-vs-cats-redux-kernels-edition"))
+
+
+def test_a_deployment_whose_folder_is_not_there_yet_is_skipped_with_a_note(tmp_path, home):
+    from tasks.watch import WatchedDeployment, watch_deployment
+    from training.config import RetrainSpec
+
+    deployment = WatchedDeployment(id="0", name="train-flow/photos", retrain=RetrainSpec(),
+                                   dataset=DatasetSpec(source=str(tmp_path / "photos")))
+    watched = watch_deployment.fn(deployment)
+    assert watched.changes is None and not watched.due
+    assert watched.note == f"no folder {tmp_path / 'photos'}"
