@@ -144,7 +144,7 @@ def read_job(job_file: Path, machine_rank: int) -> TrainJob:
     if not job_file.exists():
         raise FileNotFoundError(
             f"{where} cannot see the job file {job_file}: every machine must mount the run "
-            "folder (TRAINFLOW_HOME) at the same path; see README 'Beyond one machine'")
+            "folder (TRAINFLOW_HOME) at the same path; see docs/multi-machine.md")
     job = TrainJob.load(job_file)
     for needed in (job.split.manifest, job.split.root):
         if not Path(needed).exists():

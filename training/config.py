@@ -431,7 +431,7 @@ class TrainingSpec(Spec):
     seed: Annotated[int, Role.RECIPE] = 42
     num_machines: Annotated[int, Role.LAUNCH] = Field(
         1, ge=1, description="Machines to train on. Above 1, the train task starts one "
-        "train-node flow run per machine through the work pool (README: Beyond one machine).")
+        "train-node flow run per machine through the work pool (docs/multi-machine.md).")
     machine_rank: Annotated[int, Role.MACHINE] = Field(
         0, ge=0, description="This machine's place; set per node by the "
                               "train task, by hand only for a bare `accelerate launch`.")
