@@ -674,6 +674,16 @@ class Receiver:
         raise AssertionError(f"no such message in {self.received}")
 
 
+DRIFT_EVENT = """
+from prefect.events import emit_event
+from tasks.drift import EVENT
+emit_event(EVENT, resource={"prefect.resource.id": "trainflow.model.notify-drift",
+                            "trainflow.model": "notify-drift", "trainflow.model_version": "3"},
+           payload={"drifted": ["brightness", "confidence"], "batch_images": 179,
+                    "mlflow_run_id": "0123abcd"})
+"""
+
+
 def test_a_team_hears_of_an_approval_wait_a_failure_an_alias_move_and_drift(stack):
     """`trainflow notify --webhook URL`: one message for a failed run, one for a run waiting
     for approval (its version, the gate's sentence, the review, the run's link), one for a
@@ -729,16 +739,11 @@ def test_a_team_hears_of_an_approval_wait_a_failure_an_alias_move_and_drift(stac
         moves = [m for _, m in receiver.received if champion(m)]
         assert len(moves) == 2 and moves[-1]["data"]["version"] == "1"
 
-        from prefect.events import emit_event
-
-        from tasks.drift import EVENT
-
-        with temporary_settings({PREFECT_API_URL: stack.api}):  # as predict-flow sends it
-            emit_event(EVENT, resource={"prefect.resource.id": "trainflow.model.notify-drift",
-                                        "trainflow.model": "notify-drift",
-                                        "trainflow.model_version": "3"},
-                       payload={"drifted": ["brightness", "confidence"], "batch_images": 179,
-                                "mlflow_run_id": "0123abcd"})
+        # As predict-flow sends it, from a process of its own: this one's events worker may
+        # be bound to another test's server already (Prefect keeps one per process).
+        emit = subprocess.run([str(services.BIN / "python"), "-c", DRIFT_EVENT], env=stack.env,
+                              capture_output=True, text=True, timeout=120)
+        assert emit.returncode == 0, emit.stderr[-2000:]
         [drift] = receiver.wait_for(lambda m: "notify-drift" in m.get("text", ""))
         assert "notify-drift v3: a scored batch drifted" in drift["text"]
         assert "Drifted: brightness, confidence (179 images)" in drift["text"]
