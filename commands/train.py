@@ -93,11 +93,11 @@ def parse(model: type[BaseModel], argv: list[str], prog: str) -> tuple[BaseModel
                                cli_kebab_case=False)
     try:
         args = CliApp.run(model, cli_args=argv, cli_settings_source=source)
-        # The parsed model counts every default as set; the source knows what was typed.
+        # The parsed model counts every default as set; the source knows what was typed. The
+        # values are the parsed (validated) ones: nothing is validated twice.
         typed = source(args=argv)()
-        given = {name: BLOCKS[name].model_validate(typed[name]).model_dump(
-            mode="json", include=set(typed[name])) for name in BLOCKS
-            if isinstance(typed.get(name), dict)}
+        given = {name: getattr(args, name).model_dump(mode="json", include=set(typed[name]))
+                 for name in BLOCKS if isinstance(typed.get(name), dict)}
     except ValidationError as e:
         sys.exit(f"{prog}: invalid parameters\n" + "\n".join(f"  {p}" for p in problems_of(e)))
     return args, given
