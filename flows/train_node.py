@@ -7,17 +7,19 @@ run by hand.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import flow
 
 from runtime.infrastructure import end_with_worker
+from runtime.remote import RemoteSplit
 from tasks.nodes import launch_node
+from training.handoff import TrainJob
 
 
 @flow(name="train-node")
-def train_node(job_file: Path, machine_rank: int, resume: bool = True,
-               machine_0_run: str | None = None) -> int:
-    """`machine_0_run`: the flow run of machine 0, where machines 1.. read its address."""
+def train_node(job: TrainJob, machine_rank: int, run_folder: str, resume: bool = True,
+               machine_0_run: str | None = None, remote_split: RemoteSplit | None = None) -> int:
+    """`job`: the training (paths as on the flow's machine); `run_folder`: its folder relative
+    to the home; `machine_0_run`: the flow run where machines 1.. read machine 0's address;
+    `remote_split`: where the split is in TRAINFLOW_REMOTE_ROOT, when no folder is shared."""
     end_with_worker()  # runtime/infrastructure.py: a worker's flow runs end with it
-    return launch_node(job_file, machine_rank, resume, machine_0_run)
+    return launch_node(job, machine_rank, resume, machine_0_run, run_folder, remote_split)

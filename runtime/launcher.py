@@ -142,6 +142,8 @@ class LaunchWatch:
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     timeout_s: float | None = None
     events: list[Event] = field(default_factory=list)
+    # Called while the launch runs; what it raises stops the launch (another machine failed).
+    check: Callable[[], None] = lambda: None
 
 
 @dataclass
@@ -217,6 +219,7 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
             if proc.poll() is not None:
                 break
             dog.check(lambda: describe(last_seen))
+            watch.check()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=0.2)  # wakes at once when the launch exits
         pump.join(timeout=5)
@@ -250,7 +253,8 @@ def run_launch(command: list[str], env: dict[str, str], output_dir: Path, watch:
 def launch(spec: TrainingSpec, module: str, args: list[str], output_dir: Path,
            logger: logging.Logger | logging.LoggerAdapter, on_event: Callable[[Event], None],
            extra_env: dict[str, str] | None = None, one_process: bool = False,
-           on_started: Callable[[], None] = lambda: None) -> list[Event]:
+           on_started: Callable[[], None] = lambda: None,
+           check: Callable[[], None] = lambda: None) -> list[Event]:
     """`accelerate launch -m module args` for `spec`, watched; returns every rank's events.
 
     `one_process` runs `python -m module args` instead, for jobs too small to repay the
@@ -266,7 +270,7 @@ def launch(spec: TrainingSpec, module: str, args: list[str], output_dir: Path,
         logger.info("launching: %s", " ".join(command))
         watch = LaunchWatch(on_line=lambda line: logger.info("%s", line), on_event=on_event,
                             on_started=on_started, hang_timeout_s=spec.hang_timeout_s,
-                            timeout_s=spec.timeout_s)
+                            timeout_s=spec.timeout_s, check=check)
         try:
             return run_launch(command, env, output_dir, watch,
                               grace_s=max(TERMINATE_GRACE_S, spec.preemption_grace_s))

@@ -6,6 +6,12 @@ machine and nothing here schedules anything. Machine 0 reports the address the o
 reach (a table artifact on its run); the train task then starts the others, reads every
 rank's events from the shared run folder exactly as on one machine, and cancels every node
 when one fails, so that a retry starts them all again from the last checkpoint.
+
+With TRAINFLOW_REMOTE_ROOT (runtime/remote.py) no folder is shared: machine 0 is the train
+task's own launch, so its best weights, evaluation and events are where the flow runs; the
+split's manifest and decode stores are published to the bucket once and each other machine
+fetches them before the rendezvous; machine 0's checkpoints are uploaded while it trains and
+every machine fetches the newest complete one to resume. The job is the node run's parameter.
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ import json
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 from urllib.parse import urlparse
 from uuid import UUID
 
@@ -32,13 +37,24 @@ from runtime.network import (
     rendezvous_env,
     wait_reachable,
 )
+from runtime.remote import (
+    CheckpointUploader,
+    RemoteRoot,
+    RemoteSplit,
+    fetch_checkpoints,
+    fetch_split,
+    publish_split,
+    remote_root,
+)
 from tasks import run_logger
 from tasks.preflight import NodesUnavailable, check_training, check_workers
 from training.config import TrainingSpec
+from training.data.sides import split_sides
 from training.engine.events import Event, Started
 from training.engine.progress import ProgressReader
 from training.handoff import TrainJob
 from training.processes import free_port
+from training.storage import home
 
 RENDEZVOUS = "rendezvous: the address of machine 0"
 POLL_S = 1.0
@@ -48,10 +64,14 @@ NODE_STARTUP_S = 180.0
 
 # --- the train task's side -------------------------------------------------------------------
 
-def launch_nodes(spec: TrainingSpec, job_file: Path, output_dir: Path, resume: bool, logger,
+def launch_nodes(job: TrainJob, resume: bool, logger,
                  on_event: Callable[[Event], None]) -> list[Event]:
     """Start a node per machine, wait for all, return every rank's events (like `launch`)."""
-    reader = ProgressReader(output_dir)
+    remote = remote_root()
+    if remote is not None:
+        return launch_here_and_on_nodes(job, resume, logger, on_event, remote)
+    spec = job.training
+    reader = ProgressReader(job.output_dir)
     reader.skip_existing()
     runs: dict[int, UUID] = {}
     with get_client(sync_client=True) as client:
@@ -59,20 +79,117 @@ def launch_nodes(spec: TrainingSpec, job_file: Path, output_dir: Path, resume: b
         try:
             # All at once: the others start their interpreters while machine 0 finds its
             # address, then read it from machine 0's run.
-            runs[0] = submit(spec, job_file, 0, resume)
+            runs[0] = submit(job, 0, resume)
             for rank in range(1, spec.num_machines):
-                runs[rank] = submit(spec, job_file, rank, resume, machine_0_run=runs[0])
+                runs[rank] = submit(job, rank, resume, machine_0_run=runs[0])
             return watch(client, runs, reader, spec, on_event)
         finally:
             cancel_unfinished(client, runs, logger)
 
 
-def submit(spec: TrainingSpec, job_file: Path, rank: int, resume: bool,
-           machine_0_run: UUID | None = None) -> UUID:
+def launch_here_and_on_nodes(job: TrainJob, resume: bool, logger,
+                             on_event: Callable[[Event], None], remote: RemoteRoot
+                             ) -> list[Event]:
+    """Machine 0 is this task's own launch; machines 1.. are node runs that fetch what they
+    read from the bucket."""
+    from prefect.runtime import flow_run
+
+    spec = job.training
+    published = publish_split(remote, job.split, split_sides(spec).values())
+    logger.info("split published to %s: manifest %s, stores %s", remote,
+                published.manifest_sha256[:12], published.stores)
+    address, port = machine_0_address(spec)
+    create_table_artifact([{"address": address, "port": port}], description=RENDEZVOUS)
+    folder = run_folder(job)
+    checkpoints = job.output_dir / "checkpoints"
+    if resume:
+        fetched = fetch_checkpoints(remote, f"{folder}/checkpoints", checkpoints)
+        if fetched:
+            logger.info("fetched checkpoint(s) %s from %s", fetched, remote)
+    uploads = CheckpointUploader(remote, checkpoints, f"{folder}/checkpoints", logger)
+    # Every machine resumes from what the bucket holds: a checkpoint complete only here would
+    # make machine 0 start at a later epoch than the others.
+    if resume and not uploads.sweep():
+        raise LaunchFailed(f"the newest checkpoint could not be uploaded to {remote}; the "
+                           "other machines could not resume from it (see the warning above)")
+    runs: dict[int, UUID] = {}
+    with get_client(sync_client=True) as client:
+        check_workers(client, spec, first=1)
+        try:
+            for rank in range(1, spec.num_machines):
+                runs[rank] = submit(job, rank, resume, machine_0_run=flow_run.id,
+                                    remote_split=published)
+            node = spec.model_copy(update={"machine_rank": 0, "main_process_ip": address,
+                                           "main_process_port": port})
+            args = ["--job", str(job.save())] + (["--resume"] if resume else [])
+            with uploads:
+                events = launch(node, "training.train", args, job.output_dir, logger, on_event,
+                                rendezvous_env(address), check=NodeCheck(client, runs))
+            logger.info("%d checkpoint(s) uploaded, %.0f MB in %.1f s in the background",
+                        len(uploads.uploaded), uploads.bytes / 1e6, uploads.seconds)
+            wait_completed(client, runs, spec.rendezvous_timeout_s)
+            return events
+        finally:
+            cancel_unfinished(client, runs, logger)
+
+
+class NodeCheck:
+    """Raises when another machine's run ended without completing: this launch stops then,
+    instead of waiting on a collective for its lost peers."""
+
+    def __init__(self, client, runs: dict[int, UUID]):
+        self.client, self.runs, self.next = client, runs, 0.0
+
+    def __call__(self) -> None:
+        if time.monotonic() < self.next:
+            return
+        self.next = time.monotonic() + POLL_S
+        for rank, run_id in sorted(self.runs.items()):
+            state = self.client.read_flow_run(run_id).state
+            if state is not None and state.is_final() and not state.is_completed():
+                raise LaunchFailed(f"machine {rank} ended {state.name}: {state.message}")
+
+
+def wait_completed(client, runs: dict[int, UUID], timeout_s: float) -> None:
+    """The other machines' runs end with machine 0's launch; one that failed fails training."""
+    check, deadline = NodeCheck(client, runs), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        check.next = 0.0
+        check()
+        states = [client.read_flow_run(run_id).state for run_id in runs.values()]
+        if all(state is not None and state.is_completed() for state in states):
+            return
+        time.sleep(POLL_S)
+    raise LaunchFailed(f"machine 0 finished, and the other machines' runs did not end within "
+                       f"{timeout_s:g} s")
+
+
+def run_folder(job: TrainJob) -> str:
+    """The run's folder relative to the home: the same on every machine, and the prefix of its
+    checkpoints in the bucket."""
+    try:
+        return job.output_dir.relative_to(home()).as_posix()
+    except ValueError:
+        return f"runs/{job.output_dir.parent.name}/{job.output_dir.name}"
+
+
+def machine_0_address(spec: TrainingSpec) -> tuple[str, int]:
+    """The address on the route to the Prefect server: a network every worker reaches."""
+    address = spec.main_process_ip or address_towards(api_host())
+    port = spec.main_process_port or free_port(address)
+    check_main_address(address, port)
+    return address, port
+
+
+def submit(job: TrainJob, rank: int, resume: bool, machine_0_run: UUID | None = None,
+           remote_split: RemoteSplit | None = None) -> UUID:
+    spec = job.training
     run = run_deployment(
         spec.node_deployment, timeout=0, work_queue_name=spec.node_queue(rank),
-        parameters={"job_file": str(job_file), "machine_rank": rank, "resume": resume,
-                    "machine_0_run": str(machine_0_run) if machine_0_run else None})
+        parameters={"job": job.model_dump(mode="json"), "machine_rank": rank, "resume": resume,
+                    "run_folder": run_folder(job),
+                    "machine_0_run": str(machine_0_run) if machine_0_run else None,
+                    "remote_split": remote_split.model_dump() if remote_split else None})
     return run.id
 
 
@@ -138,19 +255,21 @@ def cancel_unfinished(client, runs: dict[int, UUID], logger) -> None:
 
 # --- each machine's side ---------------------------------------------------------------------
 
-def read_job(job_file: Path, machine_rank: int) -> TrainJob:
-    """The job, or a clear error when this machine does not see the shared run folder."""
+def local_job(job: TrainJob, machine_rank: int, folder: str,
+              remote_split: RemoteSplit | None) -> TrainJob:
+    """The job with this machine's paths: as given where its files are (a shared mount, or the
+    flow's machine), else with the split fetched from the remote root."""
+    if job.split.manifest.exists() and job.split.root.exists():
+        return job
     where = f"machine {machine_rank} ({socket.gethostname()})"
-    if not job_file.exists():
+    remote = remote_root() if remote_split is not None else None
+    if remote is None:
         raise FileNotFoundError(
-            f"{where} cannot see the job file {job_file}: every machine must mount the run "
-            "folder (TRAINFLOW_HOME) at the same path; see docs/multi-machine.md")
-    job = TrainJob.load(job_file)
-    for needed in (job.split.manifest, job.split.root):
-        if not Path(needed).exists():
-            raise FileNotFoundError(f"{where} cannot see {needed}: the dataset and its "
-                                    "manifest must be on storage every machine mounts")
-    return job
+            f"{where} cannot see {job.split.manifest}: the dataset and its manifest must be on "
+            "storage every machine mounts (TRAINFLOW_HOME at the same path), or every machine "
+            "must set TRAINFLOW_REMOTE_ROOT to the same bucket; see docs/multi-machine.md")
+    split = fetch_split(remote, job.split, remote_split, home())
+    return job.model_copy(update={"split": split, "output_dir": home() / folder})
 
 
 def api_host() -> str:
@@ -158,20 +277,23 @@ def api_host() -> str:
 
 
 @task(task_run_name="machine-{machine_rank}")
-def launch_node(job_file: Path, machine_rank: int, resume: bool,
-                machine_0_run: str | None) -> int:
+def launch_node(job: TrainJob, machine_rank: int, resume: bool, machine_0_run: str | None,
+                folder: str, remote_split: RemoteSplit | None = None) -> int:
     """This machine's `accelerate launch`; returns how many ranks started here."""
     logger = run_logger()
-    job = read_job(job_file, machine_rank)
+    job = local_job(job, machine_rank, folder, remote_split)
     spec = job.training
     # The GPUs that matter are this machine's: checked here, before the rendezvous, so a node
     # that cannot train fails alone and by name instead of leaving the others waiting.
     check_training(spec.on_this_machine())
+    remote = remote_root() if remote_split is not None else None
+    if remote is not None and resume:
+        fetched = fetch_checkpoints(remote, f"{folder}/checkpoints",
+                                    job.output_dir / "checkpoints")
+        if fetched:
+            logger.info("fetched checkpoint(s) %s from %s", fetched, remote)
     if machine_rank == 0:
-        # The address on the route to the Prefect server: a network every worker reaches.
-        address = spec.main_process_ip or address_towards(api_host())
-        port = spec.main_process_port or free_port(address)
-        check_main_address(address, port)
+        address, port = machine_0_address(spec)
         create_table_artifact([{"address": address, "port": port}], description=RENDEZVOUS)
         local = address
     else:
@@ -189,6 +311,6 @@ def launch_node(job_file: Path, machine_rank: int, resume: bool,
         if isinstance(event, Started) and event.address == local:
             here.append(event.rank)
 
-    args = ["--job", str(job_file)] + (["--resume"] if resume else [])
+    args = ["--job", str(job.save())] + (["--resume"] if resume else [])
     launch(node, "training.train", args, job.output_dir, logger, on_event, rendezvous_env(local))
     return len(here)

@@ -235,8 +235,9 @@ class NodesUnavailable(LaunchFailed):
     """Not enough machines are ready to take the nodes."""
 
 
-def check_workers(client, spec: TrainingSpec) -> None:
-    """Every node has a worker ready to take it, or a clear error now rather than a stuck run."""
+def check_workers(client, spec: TrainingSpec, first: int = 0) -> None:
+    """Every node from machine `first` on has a worker ready to take it, or a clear error now
+    rather than a stuck run. (With a remote root, machine 0 is the flow's own launch.)"""
     try:
         deployment = client.read_deployment_by_name(spec.node_deployment)
     except ObjectNotFound:
@@ -247,7 +248,7 @@ def check_workers(client, spec: TrainingSpec) -> None:
     pool = deployment.work_pool_name
     # One queue for all nodes (Kubernetes): one worker starts every pod and the cluster's
     # scheduler places them, so a polled queue is all that can be checked here.
-    queues = sorted({spec.node_queue(rank) for rank in range(spec.num_machines)})
+    queues = sorted({spec.node_queue(rank) for rank in range(first, spec.num_machines)})
     idle = []
     for queue in queues:
         try:
@@ -268,9 +269,17 @@ def check_machines(training: TrainingSpec) -> None:
     """A worker ready for every machine's node, before the dataset is even downloaded."""
     from prefect import get_client
 
+    from runtime.remote import RemoteRootError, check_remote_root, remote_root
+
+    try:
+        remote = remote_root()
+        if remote is not None:
+            check_remote_root(remote)
+    except RemoteRootError as e:
+        raise PreflightError(str(e)) from None
     with get_client(sync_client=True) as client:
         try:
-            check_workers(client, training)
+            check_workers(client, training, first=1 if remote is not None else 0)
         except NodesUnavailable as e:
             raise PreflightError(str(e)) from None
 

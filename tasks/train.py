@@ -72,8 +72,7 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
                 from tasks.nodes import launch_nodes  # needs a Prefect server and its workers
 
                 warm_imports(job.training.model)
-                events = launch_nodes(job.training, job_file, job.output_dir, resume, logger,
-                                      on_event)
+                events = launch_nodes(job, resume, logger, on_event)
             else:
                 events = launch(job.training, "training.train", args, job.output_dir, logger,
                                 on_event, extra_env,

@@ -242,7 +242,7 @@ def test_cancelling_the_flow_run_stops_every_node_on_every_host(on_hosts, flow_w
     deadline = time.monotonic() + 60
     while True:
         nodes = [r for r in _node_runs(hosts)
-                 if str(run.id) in str(r.parameters.get("job_file"))]
+                 if str(run.id) in str(r.parameters.get("run_folder"))]
         if all(r.state.is_final() for r in nodes) or time.monotonic() > deadline:
             break
         time.sleep(2)

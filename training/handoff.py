@@ -34,6 +34,9 @@ class SplitResult(BaseModel):
     """The folder the manifest's paths are relative to."""
     given_splits: dict[str, str] | None = None
     """{folder: split} when the data came split and the splits were kept (split.respect_given)."""
+    decoded_only: bool = False
+    """True on a machine that fetched the split from the remote root: the images are not here,
+    and the decode stores hold a row for every file of the manifest."""
 
     def size(self, split: str) -> int:
         return sum(self.counts[split].values())

@@ -1,0 +1,326 @@
+"""The object store that stands in for a shared TRAINFLOW_HOME between machines.
+
+    TRAINFLOW_REMOTE_ROOT=s3://bucket/prefix
+
+Under the root:
+
+    splits/<manifest sha256>/manifest.csv            a split's manifest
+    stores/<index sha256>/images.u8, index.json      a decode store, one large object; index last
+    <run folder>/checkpoints/checkpoint_<n>/...      machine 0's checkpoints; trainer_state.json last
+
+Everything a machine reads is content-addressed or marked complete by the object written last,
+so a half-written upload is never read. Endpoint and credentials are boto3's own
+(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL_S3), or TRAINFLOW_S3_SECRET_BLOCK.
+Transfers use boto3's transfer manager (multipart, several threads), not hand-written HTTP.
+Only Prefect-side processes use it: training ranks hold no credentials.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from pydantic import BaseModel
+
+from runtime.credentials import use_secret_blocks
+from trainflow_serving.images import Geometry, as_geometry
+from training.data.store import DecodeStore
+from training.engine.checkpoint import KEEP_CHECKPOINTS, STATE_FILE
+from training.handoff import SplitResult
+from training.storage import file_lock
+
+REMOTE_ROOT = "TRAINFLOW_REMOTE_ROOT"
+FETCHED = "fetched"
+"""The home's folder of local copies: fetched/<manifest sha256>/ is a split folder."""
+STORE_DATA = "images.u8"
+POLL_S = 1.0
+
+
+class RemoteSplit(BaseModel):
+    """Where a split's manifest and decode stores are in the remote root: a node's parameter."""
+
+    manifest_sha256: str
+    stores: dict[str, str]
+    """geometry name (e.g. "64px") -> the store's index sha256"""
+
+
+@dataclass(frozen=True)
+class RemoteRoot:
+    bucket: str
+    prefix: str
+    client: Any = field(compare=False, repr=False)
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p.strip("/") for p in (self.prefix, *parts) if p.strip("/"))
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=key)
+            return True
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+
+    def keys(self, prefix: str) -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix.rstrip("/") + "/")
+        return [item["Key"] for page in pages for item in page.get("Contents", [])]
+
+    def upload(self, path: Path, key: str, size: int | None = None) -> None:
+        """A file (or its first `size` bytes) to `key`, multipart when large."""
+        with open(path, "rb") as f:
+            body = f if size is None else _Prefix(f, size)
+            self.client.upload_fileobj(body, self.bucket, key)
+
+    def put(self, data: bytes, key: str) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+
+    def download(self, key: str, path: Path) -> None:
+        """To `path` through a temporary name: a cut download leaves no file under `path`."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.part")
+        self.client.download_file(self.bucket, key, str(tmp))
+        os.replace(tmp, path)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+
+
+class _Prefix:
+    """The first `size` bytes of a file: a store's data file may hold reserved rows past the
+    index's count, which are not part of the store."""
+
+    def __init__(self, f, size: int):
+        self.f, self.left = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n is None or n < 0 else min(n, self.left)
+        data = self.f.read(n)
+        self.left -= len(data)
+        return data
+
+
+class RemoteRootError(ValueError):
+    pass
+
+
+def remote_root() -> RemoteRoot | None:
+    """The remote root from TRAINFLOW_REMOTE_ROOT, or None when machines share the home."""
+    url = os.environ.get(REMOTE_ROOT, "").strip()
+    if not url:
+        return None
+    parsed = urlparse(url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise RemoteRootError(f"{REMOTE_ROOT}={url!r} is not an s3://bucket/prefix URL; set it "
+                              "to one, or unset it to use a shared TRAINFLOW_HOME")
+    use_secret_blocks()
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", config=Config(retries={"max_attempts": 3, "mode": "standard"},
+                                              connect_timeout=10, read_timeout=30))
+    return RemoteRoot(parsed.netloc, parsed.path.strip("/"), client)
+
+
+def check_remote_root(remote: RemoteRoot) -> None:
+    """The bucket answers and takes these credentials: before any upload or launch."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        remote.client.list_objects_v2(Bucket=remote.bucket, Prefix=remote.key("splits") + "/",
+                                      MaxKeys=1)
+    except (ClientError, BotoCoreError) as e:
+        raise RemoteRootError(f"{REMOTE_ROOT} {remote}: the bucket cannot be listed ({e}); "
+                              "check the bucket, AWS_ENDPOINT_URL_S3 and the S3 credentials "
+                              "(AWS_* variables or TRAINFLOW_S3_SECRET_BLOCK)") from None
+
+
+# --- splits and their decode stores ----------------------------------------------------------
+
+def publish_split(remote: RemoteRoot, split: SplitResult,
+                  geometries: Iterable[Geometry | int]) -> RemoteSplit:
+    """Upload the manifest and each store once; a store already there (same index) is skipped."""
+    manifest_key = remote.key("splits", split.manifest_sha256, "manifest.csv")
+    if not remote.exists(manifest_key):
+        remote.upload(split.manifest, manifest_key)
+    stores = {}
+    for geometry in sorted({as_geometry(g) for g in geometries}):
+        store = DecodeStore(split.manifest.parent.parent, geometry)
+        # Under the read lock: rows below the index's count never change, and compaction waits.
+        with store.locked(exclusive=False) as index:
+            if not index["rows"]:
+                raise RemoteRootError(f"the {geometry.name} decode store of {split.manifest} is "
+                                      "empty: the split stage decodes it before training")
+            body = json.dumps({**index, "data": STORE_DATA}, sort_keys=True).encode()
+            sha = hashlib.sha256(body).hexdigest()
+            if not remote.exists(remote.key("stores", sha, "index.json")):
+                remote.upload(store.folder / index["data"], remote.key("stores", sha, STORE_DATA),
+                              size=index["rows"] * store.row_bytes)
+                remote.put(body, remote.key("stores", sha, "index.json"))  # last: complete
+        stores[geometry.name] = sha
+    return RemoteSplit(manifest_sha256=split.manifest_sha256, stores=stores)
+
+
+def fetch_split(remote: RemoteRoot, split: SplitResult, published: RemoteSplit, home: Path,
+                ) -> SplitResult:
+    """The split on this machine's disk: its manifest and stores, fetched once per hash and
+    kept. The result reads decoded rows only (`decoded_only`): the images are not here."""
+    folder = home / FETCHED / published.manifest_sha256
+    with file_lock(folder.parent / f".{folder.name}.lock"):  # two launches on one machine
+        _fetch_split(remote, published, folder)
+    return split.model_copy(update={"manifest": folder / "manifest" / "manifest.csv",
+                                    "root": folder / "images-not-here", "decoded_only": True})
+
+
+def _fetch_split(remote: RemoteRoot, published: RemoteSplit, folder: Path) -> None:
+    manifest = folder / "manifest" / "manifest.csv"
+    if not manifest.exists():
+        remote.download(remote.key("splits", published.manifest_sha256, "manifest.csv"),
+                        manifest)
+    for name, sha in published.stores.items():
+        store = DecodeStore(folder, Geometry.parse(name))
+        marker = store.folder / "fetched.sha256"
+        if marker.exists() and marker.read_text() == sha:
+            continue
+        remote.download(remote.key("stores", sha, STORE_DATA), store.folder / STORE_DATA)
+        remote.download(remote.key("stores", sha, "index.json"), store.index_path)
+        marker.write_text(sha)
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+def _number(name: str) -> int:
+    match = re.search(r"checkpoint_(\d+)$", name)
+    return int(match.group(1)) if match else -1
+
+
+def remote_checkpoints(remote: RemoteRoot, prefix: str) -> dict[int, list[str]]:
+    """The complete checkpoints under `prefix`: number -> keys (the marker last)."""
+    by_folder: dict[str, list[str]] = {}
+    for key in remote.keys(remote.key(prefix)):
+        folder, _, _ = key.rpartition("/")
+        by_folder.setdefault(folder, []).append(key)
+    done = {}
+    for folder, keys in by_folder.items():
+        marker = f"{folder}/{STATE_FILE}"
+        if marker in keys and _number(folder) >= 0:
+            done[_number(folder)] = sorted(keys, key=lambda k: k == marker)
+    return done
+
+
+def fetch_checkpoints(remote: RemoteRoot, prefix: str, local: Path) -> list[int]:
+    """Download the complete remote checkpoints newer than every complete local one (the
+    newest may be an interrupted epoch another world size cannot resume, hence all of them)."""
+    here = [_number(p.parent.name) for p in local.glob(f"checkpoint_*/{STATE_FILE}")]
+    newest_here = max(here, default=-1)
+    fetched = []
+    for number, keys in sorted(remote_checkpoints(remote, prefix).items()):
+        if number <= newest_here:
+            continue
+        final = local / f"checkpoint_{number}"
+        tmp = local / f".fetch-checkpoint_{number}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for key in keys:
+            remote.download(key, tmp / key.rpartition("/")[2])
+        shutil.rmtree(final, ignore_errors=True)  # a local save cut off before its marker
+        os.replace(tmp, final)
+        fetched.append(number)
+    # Folders without a marker: a save cut off here, or (on machines 1..) the ranks' own random
+    # states of a checkpoint whose marker is machine 0's. Accelerate refuses to save into an
+    # existing folder, so none may outlive the resume.
+    for folder in local.glob("checkpoint_*"):
+        if not (folder / STATE_FILE).exists():
+            shutil.rmtree(folder, ignore_errors=True)
+    return fetched
+
+
+class CheckpointUploader:
+    """Uploads each complete local checkpoint while training goes on, its marker last, and
+    keeps the newest KEEP_CHECKPOINTS in the bucket. An upload that fails (the store is down,
+    the folder was rotated away) is retried on the next look and never marked complete."""
+
+    def __init__(self, remote: RemoteRoot, local: Path, prefix: str,
+                 logger: logging.Logger | logging.LoggerAdapter):
+        self.remote, self.local, self.prefix, self.logger = remote, local, prefix, logger
+        self.uploaded: dict[int, int] = {}  # number -> the marker's mtime_ns
+        self.seconds = 0.0
+        self.bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="checkpoint-upload", daemon=True)
+
+    def __enter__(self) -> CheckpointUploader:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sweep()  # the last epoch's checkpoint, written just before the ranks ended
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self.sweep()
+
+    def sweep(self) -> bool:
+        """Upload what is complete here and not yet there; False when an upload failed."""
+        for marker in sorted(self.local.glob(f"checkpoint_*/{STATE_FILE}"),
+                             key=lambda p: _number(p.parent.name)):
+            number = _number(marker.parent.name)
+            try:
+                written = marker.stat().st_mtime_ns
+                if self.uploaded.get(number) != written:
+                    if not self._already_there(marker):
+                        self._upload(marker.parent, number)
+                    self.uploaded[number] = written
+            except FileNotFoundError:
+                continue  # rotated away by a newer one
+            except Exception as e:  # the store being down costs the upload, not the training
+                self.logger.warning("checkpoint %d not uploaded to %s yet: %s", number,
+                                    self.remote, e)
+                return False
+        return True
+
+    def _already_there(self, marker: Path) -> bool:
+        """Complete in the bucket with the same state (an earlier attempt uploaded it)."""
+        key = self.remote.key(self.prefix, marker.parent.name, STATE_FILE)
+        if not self.remote.exists(key):
+            return False
+        body = self.remote.client.get_object(Bucket=self.remote.bucket, Key=key)["Body"].read()
+        return body == marker.read_bytes()
+
+    def _upload(self, folder: Path, number: int) -> None:
+        import time
+
+        started = time.perf_counter()
+        base = self.remote.key(self.prefix, folder.name)
+        marker_key = f"{base}/{STATE_FILE}"
+        self.remote.delete([marker_key])  # a replaced (interrupted) one is incomplete meanwhile
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != STATE_FILE)
+        for path in files:
+            self.remote.upload(path, f"{base}/{path.name}")
+            self.bytes += path.stat().st_size
+        self.remote.upload(folder / STATE_FILE, marker_key)
+        self.seconds += time.perf_counter() - started
+        kept = sorted(remote_checkpoints(self.remote, self.prefix))
+        for old in kept[:-KEEP_CHECKPOINTS]:
+            old_base = self.remote.key(self.prefix, f"checkpoint_{old}")
+            self.remote.delete([f"{old_base}/{STATE_FILE}"])  # incomplete first, then gone
+            self.remote.delete(self.remote.keys(old_base))
+        self.logger.info("checkpoint %d uploaded to %s", number, self.remote)

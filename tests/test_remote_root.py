@@ -1,0 +1,134 @@
+"""TRAINFLOW_REMOTE_ROOT against a real S3 server (moto's): a split's manifest and decode
+stores go up once and come down once, and checkpoints are resumed only when complete."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.servers import BIN, started
+from training.processes import free_port
+
+pytestmark = pytest.mark.slow
+KEYS = {"AWS_ACCESS_KEY_ID": "remote-test-key-id", "AWS_SECRET_ACCESS_KEY": "remote-test-secret",
+        "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("s3") / "s3.log"
+    with started([str(BIN / "python"), "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                 f"{url}/moto-api/", log) as server:
+        import boto3
+
+        boto3.client("s3", endpoint_url=url, region_name="us-east-1",
+                     aws_access_key_id=KEYS["AWS_ACCESS_KEY_ID"],
+                     aws_secret_access_key=KEYS["AWS_SECRET_ACCESS_KEY"]
+                     ).create_bucket(Bucket="team")
+        yield url, server
+
+
+@pytest.fixture
+def remote(s3_server, monkeypatch, request):
+    from runtime.remote import remote_root
+
+    for name, value in KEYS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server[0])
+    monkeypatch.setenv("TRAINFLOW_REMOTE_ROOT", f"s3://team/{request.node.name}")
+    return remote_root()
+
+
+def test_a_split_goes_up_once_and_is_read_elsewhere_without_its_images(digits_split, remote,
+                                                                       tmp_path):
+    from runtime.remote import fetch_split, publish_split
+    from training.data.cache import decode_split
+
+    _, split = digits_split
+    here = {name: decode_split(split, name, 8, 1) for name in ("train", "test")}
+    published = publish_split(remote, split, [8])
+    keys = remote.keys(remote.key())
+    # A store is one object and its index, never an object per image.
+    assert len(keys) == 3, keys
+    assert publish_split(remote, split, [8]) == published
+    assert remote.keys(remote.key()) == keys
+
+    elsewhere = tmp_path / "other-home"
+    fetched = fetch_split(remote, split, published, elsewhere)
+    assert fetched.decoded_only and not fetched.root.exists()
+    assert fetched.manifest.read_bytes() == split.manifest.read_bytes()
+    for name, images in here.items():
+        there = decode_split(fetched, name, 8, 1)
+        assert there.paths == images.paths
+        assert np.array_equal(there.labels, images.labels)
+        assert np.array_equal(np.stack([there[i] for i in range(len(there))]),
+                              np.stack([images[i] for i in range(len(images))]))
+    data = next(elsewhere.rglob("images.u8"))
+    before = data.stat().st_mtime_ns
+    fetch_split(remote, split, published, elsewhere)  # the same hash is not fetched again
+    assert data.stat().st_mtime_ns == before
+
+    with pytest.raises(ValueError, match="lacks .* images of the train split"):
+        decode_split(fetched, "train", 16, 1)  # a side that was not published
+
+
+def _checkpoint(folder: Path, number: int, size: int = 1000) -> Path:
+    path = folder / f"checkpoint_{number}"
+    path.mkdir(parents=True)
+    (path / "a-small.json").write_text(f'{{"epoch": {number}}}')
+    (path / "model.safetensors").write_bytes(os.urandom(size))
+    (path / "trainer_state.json").write_text(f'{{"epoch": {number}}}')
+    return path
+
+
+UPLOAD_ONE = """
+import logging, sys
+from pathlib import Path
+from runtime.remote import CheckpointUploader, remote_root
+CheckpointUploader(remote_root(), Path(sys.argv[1]), sys.argv[2], logging.getLogger()).sweep()
+"""
+
+
+def test_checkpoints_go_up_marker_last_and_a_cut_upload_is_never_resumed(remote, tmp_path):
+    import logging
+
+    from runtime.remote import CheckpointUploader, fetch_checkpoints, remote_checkpoints
+
+    local, prefix = tmp_path / "machine-0" / "checkpoints", "runs/r1/train/checkpoints"
+    uploader = CheckpointUploader(remote, local, prefix, logging.getLogger("t"))
+    for number in (1, 2, 3):
+        _checkpoint(local, number)
+        uploader.sweep()
+    assert sorted(remote_checkpoints(remote, prefix)) == [2, 3]  # the newest two are kept
+
+    # The machine doing the upload dies half-way through checkpoint 4's weights (64 MB).
+    _checkpoint(local, 4, size=64 * 2**20)
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(UPLOAD_ONE), str(local),
+                             prefix], env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    first = remote.key(prefix, "checkpoint_4", "a-small.json")
+    deadline = time.monotonic() + 60
+    while not remote.exists(first) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert remote.exists(first), "the upload never started"
+    assert not remote.exists(remote.key(prefix, "checkpoint_4", "trainer_state.json"))
+    assert sorted(remote_checkpoints(remote, prefix)) == [2, 3]
+
+    # Another machine resumes from the newest complete one, whole; the cut one is not there.
+    other = tmp_path / "machine-1" / "checkpoints"
+    assert fetch_checkpoints(remote, prefix, other) == [2, 3]
+    assert sorted(p.name for p in other.iterdir()) == ["checkpoint_2", "checkpoint_3"]
+    assert ((other / "checkpoint_3" / "model.safetensors").read_bytes()
+            == (local / "checkpoint_3" / "model.safetensors").read_bytes())
+    assert fetch_checkpoints(remote, prefix, other) == []  # nothing newer: nothing fetched
