@@ -5,7 +5,8 @@ process worker on its own work queue, and a Prefect server on the bridge that bo
 
 Host i is namespace `hosts.names[i]` at `hosts.addresses[i]`; its worker polls the work queue
 `machine-<i>` of `hosts.pool`, where the `train-node/nodes` deployment (prefect.yaml) lives.
-The file system is shared, as a cluster's shared storage would be.
+The file system is shared, as a cluster's shared storage would be, unless `host_env` gives
+each host a home of its own.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shlex
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,7 +108,12 @@ def network(count: int = 2) -> Iterator[tuple[list[str], list[str], str]]:
 
 
 @contextlib.contextmanager
-def two_hosts(folder: Path, extra_env: dict, count: int = 2) -> Iterator[Hosts]:
+def two_hosts(folder: Path, extra_env: dict, count: int = 2,
+              host_env: Callable[[int, str], dict] = lambda host, gateway: {},
+              hidden: Callable[[int], list[Path]] = lambda host: []) -> Iterator[Hosts]:
+    """`host_env(i, gateway)`: what host i's worker has besides `extra_env` (its own home);
+    `hidden(i)`: folders host i does not see (an empty file system is mounted over each in its
+    own mount namespace), as another machine would not see this one's disk."""
     folder.mkdir(parents=True, exist_ok=True)
     with network(count) as (names, addresses, gateway):
         port = free_port(gateway)
@@ -130,12 +137,16 @@ def two_hosts(folder: Path, extra_env: dict, count: int = 2) -> Iterator[Hosts]:
             try:
                 for i, name in enumerate(names):
                     with open(folder / f"worker-{i}.log", "ab") as log:
+                        covers = " && ".join(f"mount -t tmpfs hidden {shlex.quote(str(p))}"
+                                             for p in hidden(i)) or "true"
                         hosts.workers.append(subprocess.Popen(
-                            ["ip", "netns", "exec", name, str(BIN / "prefect"), "worker",
-                             "start", "--pool", pool, "--work-queue", f"machine-{i}", "--type",
-                             "process", "--name", f"worker-{i}"],
-                            env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True))
+                            ["ip", "netns", "exec", name, "unshare", "--mount",
+                             "--propagation", "private", "sh", "-c", f'{covers} && exec "$@"',
+                             "worker", str(BIN / "prefect"), "worker", "start", "--pool", pool,
+                             "--work-queue", f"machine-{i}", "--type", "process", "--name",
+                             f"worker-{i}"],
+                            env={**env, **host_env(i, gateway)}, cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True))
                 wait_ready(hosts, count)
                 yield hosts
             finally:
