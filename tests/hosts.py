@@ -50,6 +50,15 @@ class Hosts:
                              text=True).stdout
         return [int(p) for p in out.split()]
 
+    def kill_launch(self, host: int) -> int:
+        """SIGKILL the `accelerate launch` on `host` (its ranks die with it), as a lost machine."""
+        for pid in self.pids(host):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"accelerate.commands.launch" in f.read():
+                    os.kill(pid, 9)
+                    return pid
+        raise AssertionError(f"no launch running on host {host}")
+
     def received_bytes(self, host: int) -> int:
         return int(self.run_in(host, ["cat", f"/sys/class/net/{LINK}/statistics/rx_bytes"]
                                ).stdout)

@@ -8,8 +8,6 @@ virtual link with c10d. Skipped, with the reason, where namespaces cannot be mad
 from __future__ import annotations
 
 import contextvars
-import os
-import signal
 import socket
 import subprocess
 import threading
@@ -104,15 +102,6 @@ def _training_processes(hosts) -> list[int]:
     return left
 
 
-def _kill_launch_on(hosts, host: int) -> int:
-    for pid in hosts.pids(host):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"accelerate.commands.launch" in f.read():
-                os.kill(pid, signal.SIGKILL)
-                return pid
-    raise AssertionError(f"no launch running on host {host}")
-
-
 def test_one_flow_run_trains_on_two_hosts_and_a_killed_node_resumes_on_both(on_hosts):
     from mlflow import MlflowClient
 
@@ -141,7 +130,7 @@ def test_one_flow_run_trains_on_two_hosts_and_a_killed_node_resumes_on_both(on_h
         for progress in (home() / "runs").glob("*/train/progress/rank0.jsonl"):
             events = ProgressReader(progress.parent.parent).poll()
             if any(e.event == "epoch" and e.epoch == 1 for e in events):
-                killed, killed_at = _kill_launch_on(hosts, 1), time.time()  # in epoch 2
+                killed, killed_at = hosts.kill_launch(1), time.time()  # in epoch 2
                 break
     assert killed, "the training never finished its first epoch on two hosts"
     flow.join(600)

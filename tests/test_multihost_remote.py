@@ -6,7 +6,10 @@ worker takes machine 1's run. Skipped, with the reason, where namespaces cannot 
 
 from __future__ import annotations
 
+import contextvars
 import json
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -68,10 +71,35 @@ def test_two_hosts_with_no_shared_folder_train_evaluate_and_register_through_the
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     EventsWorker.drain_all(timeout=60)  # tests/test_multihost.py's on_hosts says why
+    # Slow steps (0.2 s each) make an epoch last seconds, so machine 1 can be killed mid-epoch.
+    monkeypatch.setenv("TRAINFLOW_FAULT", "slow:step=0.2")
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = train_flow(dataset={"source": "builtin:digits"},
+                                           training=TRAINING, force=True,
+                                           registry={"model_name": "remote-hosts"})
+        except BaseException as e:
+            outcome["error"] = e
+
     with temporary_settings({PREFECT_API_URL: hosts.api}):
         try:
-            result = train_flow(dataset={"source": "builtin:digits"}, training=TRAINING,
-                                force=True, registry={"model_name": "remote-hosts"})
+            # The thread runs in this context: Prefect's settings are context variables.
+            flow = threading.Thread(target=contextvars.copy_context().run, args=(run,))
+            flow.start()
+            killed, deadline = None, time.monotonic() + 400
+            while killed is None and flow.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.5)
+                for progress in (homes[0] / "runs").glob("*/train/progress/rank0.jsonl"):
+                    events = ProgressReader(progress.parent.parent).poll()
+                    if any(e.event == "epoch" and e.epoch == 1 for e in events):
+                        killed = hosts.kill_launch(1)  # in epoch 2
+                        break
+            assert killed, "the training never finished its first epoch on two hosts"
+            flow.join(600)
+            assert "error" not in outcome, repr(outcome.get("error"))
+            result = outcome["result"]
             with get_client(sync_client=True) as client:
                 runs = client.read_flow_runs()
                 logs = client.read_logs()
@@ -86,7 +114,11 @@ def test_two_hosts_with_no_shared_folder_train_evaluate_and_register_through_the
     # Machine 1's ranks ran on host 1, from host 1's own copy of the job and the data.
     there = ProgressReader(homes[1] / run).poll()
     assert Counter(e.address for e in there if e.event == "start") == Counter(
-        {hosts.addresses[1]: 2})
+        {hosts.addresses[1]: 4})  # two ranks, twice
+    # The retry resumed machine 1 from the checkpoint it fetched: its own disk had no weights.
+    resumed = [e for e in there if e.event == "resumed"]
+    assert resumed and resumed[-1].epoch >= 1, there
+    assert "fetched checkpoint(s)" in (folder / "worker-1.log").read_text()
 
     # Host 1's home holds its local copies only: the fetched split and its run folder.
     assert sorted(p.name for p in homes[1].iterdir() if not p.name.startswith(".")) == [
