@@ -40,6 +40,8 @@ from training.handoff import SplitResult
 from training.storage import file_lock
 
 REMOTE_ROOT = "TRAINFLOW_REMOTE_ROOT"
+TIMEOUT = "TRAINFLOW_REMOTE_TIMEOUT_S"
+"""How long one request to the store may wait for an answer (30 s; it is tried 3 times)."""
 FETCHED = "fetched"
 """The home's folder of local copies: fetched/<manifest sha256>/ is a split folder."""
 STORE_DATA = "images.u8"
@@ -134,8 +136,9 @@ def remote_root() -> RemoteRoot | None:
     import boto3
     from botocore.config import Config
 
+    timeout = float(os.environ.get(TIMEOUT, "30"))
     client = boto3.client("s3", config=Config(retries={"max_attempts": 3, "mode": "standard"},
-                                              connect_timeout=10, read_timeout=30))
+                                              connect_timeout=timeout, read_timeout=timeout))
     return RemoteRoot(parsed.netloc, parsed.path.strip("/"), client)
 
 

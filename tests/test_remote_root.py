@@ -42,6 +42,7 @@ def s3_server(tmp_path_factory):
 def remote(s3_server, monkeypatch, request):
     from runtime.remote import remote_root
 
+    monkeypatch.setenv("TRAINFLOW_REMOTE_TIMEOUT_S", "2")  # a stopped server, found quickly
     for name, value in KEYS.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server[0])
@@ -132,3 +133,40 @@ def test_checkpoints_go_up_marker_last_and_a_cut_upload_is_never_resumed(remote,
     assert ((other / "checkpoint_3" / "model.safetensors").read_bytes()
             == (local / "checkpoint_3" / "model.safetensors").read_bytes())
     assert fetch_checkpoints(remote, prefix, other) == []  # nothing newer: nothing fetched
+
+
+def test_a_checkpoint_upload_cut_by_the_s3_server_stopping_is_never_resumed(s3_server, remote,
+                                                                          tmp_path):
+    """The S3 server is stopped (SIGSTOP) while checkpoint 3 goes up, until the upload gives
+    up, then goes on: 3 is not complete there, so 2 is what a resume fetches; the next look
+    uploads 3 whole."""
+    import logging
+    import threading
+
+    from runtime.remote import CheckpointUploader, fetch_checkpoints, remote_checkpoints
+
+    server = s3_server[1]
+    local, prefix = tmp_path / "machine-0" / "checkpoints", "runs/r2/train/checkpoints"
+    uploader = CheckpointUploader(remote, local, prefix, logging.getLogger("t"))
+    for number in (1, 2):
+        _checkpoint(local, number)
+        assert uploader.sweep()
+    _checkpoint(local, 3, size=48 * 2**20)
+    outcome = []
+    upload = threading.Thread(target=lambda: outcome.append(uploader.sweep()))
+    upload.start()
+    first = remote.key(prefix, "checkpoint_3", "a-small.json")
+    deadline = time.monotonic() + 60
+    while not remote.exists(first) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(server.pid, signal.SIGSTOP)
+    try:
+        upload.join(120)
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+    assert outcome == [False]  # told, and not marked uploaded
+    assert remote.exists(first), "the upload was not under way when the server stopped"
+    assert sorted(remote_checkpoints(remote, prefix)) == [1, 2]
+    assert fetch_checkpoints(remote, prefix, tmp_path / "machine-1") == [1, 2]
+    assert uploader.sweep()
+    assert sorted(remote_checkpoints(remote, prefix)) == [2, 3]
