@@ -18,6 +18,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from tasks.evaluate import run_evaluation
 from tasks.train import run_training
 from training.config import DatasetSpec, SplitSpec, TrainingSpec
 from training.data.sources import prepare
@@ -55,7 +56,8 @@ def main() -> None:
                 out = home / f"{len(scores[name])}-{seed}-{abs(hash(name))}"
                 job = TrainJob(split=split, output_dir=out / "train", training=training)
                 result = run_training(job, LOG, resume=False, evaluate_into=out / "evaluation")
-                scores[name].append(result.test_metrics.accuracy)
+                evaluation = run_evaluation(result, out / "evaluation", LOG)
+                scores[name].append(evaluation.metrics["accuracy"])
                 epochs_s = sum(h.epoch_seconds for h in result.history)
                 print(f"seed {seed} {name}: {scores[name][-1]:.4f} ({epochs_s:.1f} s of epochs)",
                       flush=True)

@@ -132,7 +132,7 @@ def main() -> None:
             result = json.loads(out)
             trained = result["trained"]
             scores["flow"].append({
-                "test_accuracy": trained["test_metrics"]["accuracy"],
+                "test_accuracy": result["evaluation"]["metrics"]["accuracy"],
                 "epoch_seconds": trained["history"][0]["epoch_seconds"],
                 "world_size": trained["world_size"], **fixed_cost(result, env)})
     finally:

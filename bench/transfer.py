@@ -67,6 +67,7 @@ def write_photos(root: Path, per_class: int) -> None:
 
 def ours(split, home: Path, epochs: int, weights: str, seed: int, side: int,
          settings: dict) -> tuple[float, float]:
+    from tasks.evaluate import run_evaluation
     from tasks.train import run_training
     from training.handoff import TrainJob
 
@@ -76,9 +77,10 @@ def ours(split, home: Path, epochs: int, weights: str, seed: int, side: int,
         "seed": seed, **settings})
     started = time.perf_counter()
     result = run_training(job, LOG, resume=False, evaluate_into=out / "evaluation")
+    evaluation = run_evaluation(result, out / "evaluation", LOG)
     wall = time.perf_counter() - started
     shutil.rmtree(out, ignore_errors=True)
-    return result.test_metrics.accuracy, wall
+    return evaluation.metrics["accuracy"], wall
 
 
 def by_hand(split, epochs: int, weights: str, seed: int, side: int) -> tuple[list[float], float]:

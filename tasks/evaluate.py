@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from runtime.launcher import launch
 from tasks import MLFLOW_RETRIES, RESUMABLE, run_logger
 from tasks.train import evaluation_dir
-from training.engine.events import ClassFigures, Evaluated, TestMetrics, last_from_rank_0
+from training.engine.events import ClassFigures, Predicted, TestMetrics, last_from_rank_0
 from training.evaluation.plots import training_curves_png
 from training.handoff import TrainResult
 from training.storage import tracking_uri
@@ -29,24 +29,23 @@ class Evaluation(BaseModel):
 
 
 def run_evaluation(trained: TrainResult, out: Path, logger) -> Evaluation:
-    """`accelerate launch -m training.evaluate` on the training's world: same guarantees.
+    """The test split's metrics and pictures in `out`, the one way: the ranks predict (the
+    training's own launch when it did, else `accelerate launch -m training.evaluate
+    --predictions-only` on the training's world, with the same guarantees), and this process
+    computes the metrics and draws the pictures from the predictions (write_results)."""
+    # Here, not at the top: the flow's process imports torch only once a stage needs it.
+    from training.evaluate import LOGITS, summarize, write_results
 
-    Not needed when the training launch evaluated already (train_model asks it to).
-    """
-    if trained.test_metrics is not None and trained.test_dir == out:
-        logger.info("the training launch evaluated the best weights on the test split")
-        return _evaluation(trained.test_metrics, out)
-    args = ["--job", str(trained.output_dir / "job.json"), "--weights", str(trained.weights),
-            "--out", str(out)]
-    events = launch(trained.job.training.on_this_machine(), "training.evaluate", args, out, logger,
-                    on_event=lambda event: None)
-    done = last_from_rank_0(events, Evaluated)
-    if done is None:
-        raise RuntimeError("evaluation exited cleanly but rank 0 reported no metrics")
-    return _evaluation(done.metrics, out)
-
-
-def _evaluation(metrics: TestMetrics, out: Path) -> Evaluation:
+    if trained.test_dir == out and (out / LOGITS).exists():
+        logger.info("the training launch predicted the test split with the best weights")
+    else:
+        args = ["--job", str(trained.output_dir / "job.json"), "--weights",
+                str(trained.weights), "--out", str(out), "--predictions-only"]
+        events = launch(trained.job.training.on_this_machine(), "training.evaluate", args, out,
+                        logger, on_event=lambda event: None)
+        if last_from_rank_0(events, Predicted) is None:
+            raise RuntimeError("evaluation exited cleanly but rank 0 reported no predictions")
+    metrics = TestMetrics.model_validate(summarize(write_results(trained.job, out)))
     return Evaluation(metrics=metrics.scores(), per_class=metrics.per_class,
                       images=metrics.images, output_dir=out,
                       predictions=out / "predictions.csv")

@@ -24,7 +24,6 @@ from training.engine.events import (
     Predicted,
     Resumed,
     Started,
-    TestMetrics,
     Trained,
     last_from_rank_0,
 )
@@ -85,12 +84,6 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
     if result is None:
         raise RuntimeError("training exited cleanly but rank 0 reported no result")
     predicted = last_from_rank_0(events, Predicted)
-    test_metrics = None
-    if predicted is not None:
-        from training.evaluate import summarize, write_results
-
-        test_metrics = TestMetrics.model_validate(
-            summarize(write_results(job, Path(predicted.out))))
     return TrainResult(
         job=job,
         preprocessing=Preprocessing.model_validate(result.preprocessing),
@@ -101,7 +94,6 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         world_size=result.world_size,
         chosen_by=result.chosen_by,
         mlflow_unsent=unsent,
-        test_metrics=test_metrics,
         test_dir=Path(predicted.out) if predicted else None,
     )
 

@@ -35,6 +35,7 @@ def test_metrics_on_a_hand_checked_case():
 def test_one_and_two_processes_give_identical_metrics(digits_split, tmp_path):
     import logging
 
+    from tasks.evaluate import run_evaluation
     from tasks.train import run_training
 
     _, split = digits_split
@@ -43,6 +44,8 @@ def test_one_and_two_processes_give_identical_metrics(digits_split, tmp_path):
                              "mixed_precision": "bf16"})
     # The training launch evaluates too (as train_model asks it): same numbers as alone.
     trained = run_training(job, logging.getLogger("t"), evaluate_into=tmp_path / "in-launch")
+    # The flow's one evaluation path, over the predictions the training's ranks made.
+    evaluation = run_evaluation(trained, tmp_path / "in-launch", logging.getLogger("t"))
     results = {}
     for n in (1, 2):
         spec = job.training.model_copy(update={"num_processes": n})
@@ -61,8 +64,14 @@ def test_one_and_two_processes_give_identical_metrics(digits_split, tmp_path):
     assert results[1]["loss"] == pytest.approx(results[2]["loss"], rel=1e-5)
     in_launch = json.loads((tmp_path / "in-launch" / "metrics.json").read_text())
     assert in_launch["confusion_matrix"] == results[2]["confusion_matrix"]
-    assert trained.test_metrics.accuracy == results[2]["accuracy"]  # fp32, bf16 training
-    assert trained.test_metrics.loss == pytest.approx(results[2]["loss"], rel=1e-5)
+    assert evaluation.metrics["accuracy"] == results[2]["accuracy"]  # fp32, bf16 training
+    assert evaluation.metrics["loss"] == pytest.approx(results[2]["loss"], rel=1e-5)
+    # Without the training's predictions, the same path launches its own ranks to predict.
+    alone = run_evaluation(trained.model_copy(update={"test_dir": None}), tmp_path / "alone",
+                           logging.getLogger("t"))
+    assert alone.metrics["accuracy"] == evaluation.metrics["accuracy"]
+    assert json.loads((tmp_path / "alone" / "metrics.json").read_text())["confusion_matrix"] == (
+        in_launch["confusion_matrix"])
     one, two = (_rows(tmp_path / f"e{n}" / "predictions.csv") for n in (1, 2))
     assert [r[:3] + r[4:] for r in one] == [r[:3] + r[4:] for r in two]  # path ... correct
     assert [float(r[3]) for r in one] == pytest.approx([float(r[3]) for r in two], abs=1e-4)

@@ -40,7 +40,8 @@ def test_full_flow_on_digits(prefect_engine, session_home):
     assert {"evaluation/training_curves.png", "evaluation/confusion_matrix.png",
             "evaluation/worst_predictions.png"} <= artifacts
     # One launch: the training's ranks evaluated; no second launch wrote rank progress here.
-    assert result.trained.test_metrics.accuracy == run.data.metrics["test_accuracy"]
+    assert result.trained.test_dir == result.evaluation.output_dir
+    assert result.evaluation.metrics["accuracy"] == run.data.metrics["test_accuracy"]
     assert not (result.evaluation.output_dir / "progress").exists()
     # What a user looks for on the run page: datasets, system metrics, description, spec.
     contexts = {i.tags[0].value: i.dataset for i in run.inputs.dataset_inputs}

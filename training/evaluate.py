@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainflow_serving.networks import Normalize
 from training.data.cache import CachedImages, decode_split
-from training.engine.events import Evaluated, Heartbeat
+from training.engine.events import Evaluated, Heartbeat, Predicted
 from training.engine.progress import ProgressWriter, Rank
 from training.engine.ranks import run_ranks
 from training.evaluation.metrics import compute_metrics, predictions_csv
@@ -134,12 +134,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--job", type=Path, required=True, help="the training job file")
     parser.add_argument("--weights", type=Path, help="default: best.safetensors of the job")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--predictions-only", action="store_true",
+                        help="write logits.safetensors and predictions.csv only; the caller "
+                        "makes the metrics and pictures with write_results (train-flow does)")
     args = parser.parse_args(argv)
 
     job = job_for_ranks(args.job)
+    weights = args.weights or job.output_dir / "best.safetensors"
     with run_ranks(args.out) as (accelerator, rank, progress):
-        metrics = evaluate(job, args.weights or job.output_dir / "best.safetensors", args.out,
-                           accelerator, rank, progress)
+        if args.predictions_only:
+            images = predict_into(job, weights, args.out, accelerator, rank, progress)
+            accelerator.wait_for_everyone()
+            if images is not None:
+                progress.emit(Predicted, images=images, world_size=rank.world,
+                              out=str(args.out))
+            return
+        metrics = evaluate(job, weights, args.out, accelerator, rank, progress)
         # Ranks leave together and tear the process group down cleanly: a rank that exits
         # while the main one is still writing pictures can make gloo abort the survivor.
         accelerator.wait_for_everyone()

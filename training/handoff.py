@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trainflow_serving.images import Geometry
 from training.config import Spec, TrainingSpec
-from training.engine.events import EpochMetrics, TestMetrics
+from training.engine.events import EpochMetrics
 
 
 class SplitResult(BaseModel):
@@ -131,10 +131,9 @@ class TrainResult(BaseModel):
                     "to choose on (training.choose_min_val_images)")
         return f"by {self.chosen_by.replace('_', ' ')}"
     mlflow_unsent: int = 0
-    test_metrics: TestMetrics | None = None
-    """Set when the launch also predicted the test split with the best weights (its ranks were
-    up already) and the launching process computed the metrics; the files are in `test_dir`."""
     test_dir: Path | None = None
+    """Set when the launch also predicted the test split with the best weights (its ranks were
+    up already): logits.safetensors and predictions.csv are there for evaluate_model."""
 
     @property
     def output_dir(self) -> Path:
