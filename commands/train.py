@@ -182,17 +182,21 @@ def quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
-def run_train(params: dict, as_json: bool, force: bool = False) -> None:
-    """train-flow on PREFECT_API_URL or the reused local server; bad values end it first."""
+def run_train(params: dict, as_json: bool, force: bool = False, from_file: bool = True) -> None:
+    """train-flow on PREFECT_API_URL or the reused local server; bad values end it first.
+
+    Values that came from a config file are checked here, merged with the flags, before a
+    server starts; flags alone were checked when parsed (`from_file=False`). The flow then
+    validates what it is given once, as it does for a deployment's run."""
     from commands.local_server import local_prefect_api
 
     quiet_mlflow()
-
-    try:
-        params = {**params, **{name: spec.model_dump(mode="json", exclude_unset=True)
-                               for name, spec in validate_blocks(params).items()}}
-    except InvalidParameters as e:
-        sys.exit("train-flow: invalid parameters\n" + "\n".join(f"  {p}" for p in e.problems))
+    if from_file:
+        try:
+            validate_blocks(params)
+        except InvalidParameters as e:
+            sys.exit("train-flow: invalid parameters\n"
+                     + "\n".join(f"  {p}" for p in e.problems))
     started = time.perf_counter()
     with local_prefect_api():
         from flows.train_flow import train_flow
@@ -210,7 +214,8 @@ def run_train(params: dict, as_json: bool, force: bool = False) -> None:
 
 def train(argv: list[str]) -> None:
     args, given = parse(TrainArgs, argv, "trainflow train")
-    run_train(train_parameters(args, given), args.json_output, args.force)
+    run_train(train_parameters(args, given), args.json_output, args.force,
+              from_file=args.config is not None)
 
 
 def run(argv: list[str]) -> None:
