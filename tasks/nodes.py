@@ -112,15 +112,18 @@ def launch_here_and_on_nodes(job: TrainJob, resume: bool, logger,
     if resume and not uploads.sweep():
         raise LaunchFailed(f"the newest checkpoint could not be uploaded to {remote}; the "
                            "other machines could not resume from it (see the warning above)")
+    # The address is known before the others start: it travels in their job (a retry of this
+    # task makes a new one, which a node reading this run's artifacts could mistake).
+    located = job.model_copy(update={"training": spec.model_copy(update={
+        "main_process_ip": address, "main_process_port": port})})
     runs: dict[int, UUID] = {}
     with get_client(sync_client=True) as client:
         check_workers(client, spec, first=1)
         try:
             for rank in range(1, spec.num_machines):
-                runs[rank] = submit(job, rank, resume, machine_0_run=flow_run.id,
+                runs[rank] = submit(located, rank, resume, machine_0_run=flow_run.id,
                                     remote_split=published)
-            node = spec.model_copy(update={"machine_rank": 0, "main_process_ip": address,
-                                           "main_process_port": port})
+            node = located.training.model_copy(update={"machine_rank": 0})
             args = ["--job", str(job.save())] + (["--resume"] if resume else [])
             with uploads:
                 events = launch(node, "training.train", args, job.output_dir, logger, on_event,

@@ -5,8 +5,8 @@ process worker on its own work queue, and a Prefect server on the bridge that bo
 
 Host i is namespace `hosts.names[i]` at `hosts.addresses[i]`; its worker polls the work queue
 `machine-<i>` of `hosts.pool`, where the `train-node/nodes` deployment (prefect.yaml) lives.
-The file system is shared, as a cluster's shared storage would be, unless `host_env` gives
-each host a home of its own.
+The file system is shared, as a cluster's shared storage would be; `start_worker` can give a
+worker a home of its own and hide the others'.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +39,7 @@ class Hosts:
     api: str
     pool: str
     env: dict
+    folder: Path
     workers: list[subprocess.Popen] = field(default_factory=list)
 
     def run_in(self, host: int, command: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -49,6 +50,27 @@ class Hosts:
         out = subprocess.run(["ip", "netns", "pids", self.names[host]], capture_output=True,
                              text=True).stdout
         return [int(p) for p in out.split()]
+
+    def start_worker(self, host: int, queue: str, env: dict | None = None,
+                     hidden: list[Path] = ()) -> subprocess.Popen:
+        """A process worker on `host` polling `queue`, with `env` over the hosts' own and
+        `hidden` folders out of its sight (an empty file system mounted over each in its own
+        mount namespace), as another machine would not see this one's disk."""
+        covers = " && ".join(f"mkdir -p {shlex.quote(str(p))} && mount -t tmpfs hidden "
+                             f"{shlex.quote(str(p))}" for p in hidden)
+        # A worker polls only queues that exist; "already exists" is fine.
+        subprocess.run([str(BIN / "prefect"), "work-queue", "create", queue, "--pool",
+                        self.pool], env=self.env, cwd=REPO, capture_output=True, timeout=120)
+        with open(self.folder / f"worker-{queue}.log", "ab") as log:
+            worker = subprocess.Popen(
+                ["ip", "netns", "exec", self.names[host], "unshare", "--mount", "--propagation",
+                 "private", "sh", "-c", f'{covers or "true"} && exec "$@"', "worker",
+                 str(BIN / "prefect"), "worker", "start", "--pool", self.pool, "--work-queue",
+                 queue, "--type", "process", "--name", f"worker-{queue}"],
+                env={**self.env, **(env or {})}, cwd=REPO, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        self.workers.append(worker)
+        return worker
 
     def kill_launch(self, host: int) -> int:
         """SIGKILL the `accelerate launch` on `host` (its ranks die with it), as a lost machine."""
@@ -117,12 +139,7 @@ def network(count: int = 2) -> Iterator[tuple[list[str], list[str], str]]:
 
 
 @contextlib.contextmanager
-def two_hosts(folder: Path, extra_env: dict, count: int = 2,
-              host_env: Callable[[int, str], dict] = lambda host, gateway: {},
-              hidden: Callable[[int], list[Path]] = lambda host: []) -> Iterator[Hosts]:
-    """`host_env(i, gateway)`: what host i's worker has besides `extra_env` (its own home);
-    `hidden(i)`: folders host i does not see (an empty file system is mounted over each in its
-    own mount namespace), as another machine would not see this one's disk."""
+def two_hosts(folder: Path, extra_env: dict, count: int = 2) -> Iterator[Hosts]:
     folder.mkdir(parents=True, exist_ok=True)
     with network(count) as (names, addresses, gateway):
         port = free_port(gateway)
@@ -135,35 +152,24 @@ def two_hosts(folder: Path, extra_env: dict, count: int = 2,
         server = [str(BIN / "prefect"), "server", "start", "--host", gateway, "--port", str(port)]
         with started(server, f"{api}/health", folder / "server.log", env=env):
             pool = "nodes-pool"
-            queues = [["work-queue", "create", f"machine-{i}", "--pool", pool]
-                      for i in range(count)]
-            for command in (["work-pool", "create", pool, "--type", "process"], *queues,
+            for command in (["work-pool", "create", pool, "--type", "process"],
                             ["--no-prompt", "deploy", "--name", "nodes", "--pool", pool]):
                 done = subprocess.run([str(BIN / "prefect"), *command], cwd=REPO, env=env,
                                       capture_output=True, text=True, timeout=180)
                 assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-            hosts = Hosts(names, addresses, gateway, api, pool, env)
+            hosts = Hosts(names, addresses, gateway, api, pool, env, folder)
             try:
-                for i, name in enumerate(names):
-                    with open(folder / f"worker-{i}.log", "ab") as log:
-                        covers = " && ".join(f"mount -t tmpfs hidden {shlex.quote(str(p))}"
-                                             for p in hidden(i)) or "true"
-                        hosts.workers.append(subprocess.Popen(
-                            ["ip", "netns", "exec", name, "unshare", "--mount",
-                             "--propagation", "private", "sh", "-c", f'{covers} && exec "$@"',
-                             "worker", str(BIN / "prefect"), "worker", "start", "--pool", pool,
-                             "--work-queue", f"machine-{i}", "--type", "process", "--name",
-                             f"worker-{i}"],
-                            env={**env, **host_env(i, gateway)}, cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True))
-                wait_ready(hosts, count)
+                for i in range(count):
+                    hosts.start_worker(i, f"machine-{i}")
+                wait_ready(hosts, [f"machine-{i}" for i in range(count)])
                 yield hosts
             finally:
                 for worker in hosts.workers:
                     kill_tree(worker)
 
 
-def wait_ready(hosts: Hosts, count: int, timeout: float = 120) -> None:
+def wait_ready(hosts: Hosts, queues: list[str], timeout: float = 120) -> None:
+    """Until a worker polls each of `queues`."""
     from prefect import get_client
     from prefect.client.schemas.objects import WorkQueueStatus
     from prefect.exceptions import ObjectNotFound
@@ -173,11 +179,11 @@ def wait_ready(hosts: Hosts, count: int, timeout: float = 120) -> None:
     with temporary_settings({PREFECT_API_URL: hosts.api}), get_client(sync_client=True) as c:
         while time.monotonic() < deadline:
             ready = 0
-            for i in range(count):
+            for queue in queues:
                 with contextlib.suppress(ObjectNotFound):
-                    queue = c.read_work_queue_by_name(f"machine-{i}", work_pool_name=hosts.pool)
-                    ready += queue.status == WorkQueueStatus.READY
-            if ready == count:
+                    found = c.read_work_queue_by_name(queue, work_pool_name=hosts.pool)
+                    ready += found.status == WorkQueueStatus.READY
+            if ready == len(queues):
                 return
             time.sleep(1)
-    raise TimeoutError(f"the workers in {hosts.names} did not poll their queues in {timeout} s")
+    raise TimeoutError(f"no worker polled some of {queues} within {timeout} s")

@@ -2,12 +2,16 @@
 
 The flow runs here, in the root namespace, like a train-flow run on any worker; each host's
 worker takes its own node's flow run from its own work queue; the ranks rendezvous over the
-virtual link with c10d. Skipped, with the reason, where namespaces cannot be made.
+virtual link with c10d. The hosts share the home folder, as a cluster's shared mount would,
+except in the object-store test: there each machine has a home of its own, the others' are out
+of its sight, and what they share goes through TRAINFLOW_REMOTE_ROOT on a real S3 server
+(moto's). Skipped, with the reason, where namespaces cannot be made.
 """
 
 from __future__ import annotations
 
 import contextvars
+import json
 import socket
 import subprocess
 import threading
@@ -237,3 +241,123 @@ def test_cancelling_the_flow_run_stops_every_node_on_every_host(on_hosts, flow_w
         time.sleep(2)
     assert len(nodes) == 2 and all(r.state.is_final() for r in nodes), nodes
     print(f"every rank on both hosts gone {stopped_after:.0f} s after the cancel")
+
+
+S3_KEYS = {"AWS_ACCESS_KEY_ID": "hosts-key-id-4711", "AWS_SECRET_ACCESS_KEY": "hosts-secret-0815",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+REMOTE_ROOT = "s3://team/trainflow"
+
+
+@pytest.fixture
+def bucket(tmp_path):
+    """moto's S3 server on every address, so that the hosts reach it at the bridge's."""
+    from tests.servers import BIN, started
+    from training.processes import free_port
+
+    port = free_port()
+    server = [str(BIN / "python"), "-m", "moto.server", "-H", "0.0.0.0", "-p", str(port)]
+    with started(server, f"http://127.0.0.1:{port}/moto-api/", tmp_path / "s3.log"):
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+                          aws_access_key_id=S3_KEYS["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=S3_KEYS["AWS_SECRET_ACCESS_KEY"])
+        s3.create_bucket(Bucket="team")
+        yield s3, port
+
+
+def test_two_hosts_with_no_shared_folder_train_evaluate_and_register_through_the_bucket(
+        on_hosts, bucket, tmp_path, monkeypatch):
+    """Machine 0 is the flow's own launch here, with its own home; machine 1's worker, on host
+    1, has another home and sees neither this one nor the shared one. Machine 1 is killed
+    mid-epoch: the retry resumes it from the checkpoint it fetched from the bucket."""
+    from mlflow import MlflowClient
+    from prefect import get_client
+
+    from flows.train_flow import train_flow
+    from tests.hosts import wait_ready
+    from training.storage import tracking_uri
+
+    hosts, (s3, port) = on_hosts, bucket
+    homes = [tmp_path / "home-0", tmp_path / "home-1"]
+    for home in homes:
+        home.mkdir()
+    worker = hosts.start_worker(1, "remote-1", env={
+        **S3_KEYS, "TRAINFLOW_REMOTE_ROOT": REMOTE_ROOT, "TRAINFLOW_HOME": str(homes[1]),
+        "AWS_ENDPOINT_URL_S3": f"http://{hosts.gateway}:{port}"},
+        hidden=[homes[0], Path(hosts.env["TRAINFLOW_HOME"])])
+    for name, value in {**S3_KEYS, "TRAINFLOW_REMOTE_ROOT": REMOTE_ROOT,
+                        "TRAINFLOW_HOME": str(homes[0]),
+                        "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}"}.items():
+        monkeypatch.setenv(name, value)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = train_flow(
+                dataset={"source": "builtin:digits"}, force=True,
+                training={**TWO_HOSTS, "node_work_queue": "remote-{machine_rank}"},
+                registry={"model_name": "remote-hosts"})
+        except BaseException as e:
+            outcome["error"] = e
+
+    try:
+        wait_ready(hosts, ["remote-1"])
+        flow = threading.Thread(target=contextvars.copy_context().run, args=(run,))
+        flow.start()
+        killed, deadline = None, time.monotonic() + 400
+        while killed is None and flow.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.5)
+            for progress in (homes[0] / "runs").glob("*/train/progress/rank0.jsonl"):
+                if any(e.event == "epoch" and e.epoch == 1
+                       for e in ProgressReader(progress.parent.parent).poll()):
+                    killed = hosts.kill_launch(1)  # in epoch 2
+                    break
+        assert killed, "the training never finished its first epoch on two hosts"
+        flow.join(600)
+        assert "error" not in outcome, repr(outcome.get("error"))
+        result = outcome["result"]
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs()
+            logs = client.read_logs()
+    finally:
+        kill_tree(worker)
+
+    assert result.trained.world_size == 4
+    assert result.evaluation.images > 0 and result.registration.version == "1"
+    assert [str(v.version) for v in MlflowClient(tracking_uri()).search_model_versions(
+        "name='remote-hosts'")] == ["1"]
+    run = result.trained.job.output_dir.relative_to(homes[0])
+    # Machine 1's ranks ran on host 1, twice, from its own copy of the job and the data; the
+    # retry resumed them from the checkpoint fetched: host 1's disk had no weights of its own.
+    there = ProgressReader(homes[1] / run).poll()
+    assert Counter(e.address for e in there if e.event == "start") == Counter(
+        {hosts.addresses[1]: 4})
+    resumed = [e for e in there if e.event == "resumed"]
+    assert resumed and resumed[-1].epoch >= 1, there
+    assert "fetched checkpoint(s)" in (hosts.folder / "worker-remote-1.log").read_text()
+
+    # Host 1's home holds its local copies only: the fetched split and its run folder.
+    assert sorted(p.name for p in homes[1].iterdir() if not p.name.startswith(".")) == [
+        "fetched", "runs"]
+    assert not list(homes[1].rglob("*.png")) and not list(homes[1].rglob("best.safetensors"))
+    assert list(homes[1].glob("fetched/*/decoded/*/images.u8"))
+
+    # The bucket: one manifest, each store as one object and its index, and machine 0's newest
+    # two complete checkpoints.
+    objects = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="team")
+               for o in page.get("Contents", [])]
+    kinds = Counter(key.split("/")[1] for key in objects)
+    assert kinds["splits"] == 1 and kinds["stores"] % 2 == 0 and kinds["stores"] >= 2, objects
+    complete = sorted(key.split("/")[-2] for key in objects
+                      if "/checkpoints/" in key and key.endswith("/trainer_state.json"))
+    assert complete == ["checkpoint_2", "checkpoint_3"], objects
+
+    # The S3 keys are in no object, parameter, log line or worker log.
+    secret = S3_KEYS["AWS_SECRET_ACCESS_KEY"]
+    for key in objects:
+        assert secret.encode() not in s3.get_object(Bucket="team", Key=key)["Body"].read(), key
+    assert secret not in json.dumps([r.parameters for r in runs], default=str)
+    assert not [line.message for line in logs if secret in line.message]
+    for log in hosts.folder.glob("worker-*.log"):
+        assert secret not in log.read_text(errors="replace"), log
