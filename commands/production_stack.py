@@ -24,6 +24,7 @@ import os
 import secrets
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -181,12 +182,61 @@ def _start_s3(folder: Path, ports: StackPorts, keys: StackSecrets) -> None:
     url = f"http://127.0.0.1:{ports.s3}"
     wait_http(f"{url}/moto-api/")
     if started and log.exists() and log.stat().st_size:
-        request = urllib.request.Request(f"{url}/moto-api/recorder/replay-recording",
-                                         method="POST")
-        urllib.request.urlopen(request, timeout=600).close()
+        failed = replay(url, log)
+        if failed:
+            print(f"S3: {failed} recorded requests failed again on replay (see {folder}/s3.log)")
     s3 = _s3_client(ports, keys)
     if BUCKET not in {b["Name"] for b in s3.list_buckets().get("Buckets", [])}:
         s3.create_bucket(Bucket=BUCKET)
+
+
+def replay(url: str, log: Path) -> int:
+    """Send moto's request log to a fresh server, unrecorded; return how many requests failed.
+
+    moto's own replay (`/moto-api/recorder/replay-recording`) resends each request as it was,
+    but a multipart upload (boto3's, for any object over 8 MB: a model's weights) gets a new
+    upload id from the new server, so its parts fail and the replay stops there, losing every
+    object after it. Here each recorded upload id is replaced by the one the new server gave
+    when the upload started again.
+    """
+    import base64
+    import re
+
+    import requests
+
+    def recorder(action: str) -> None:
+        requests.post(f"{url}/moto-api/recorder/{action}", timeout=60).raise_for_status()
+
+    recorder("stop-recording")  # the log holds these requests already
+    failed, new_ids, started = 0, {}, {}
+    try:
+        with requests.Session() as session, open(log) as entries:
+            for line in entries:
+                entry = json.loads(line)
+                body = entry.get("body") or b""
+                if entry.get("body_encoded"):
+                    body = base64.b64decode(body)
+                parts = urllib.parse.urlsplit(entry["url"])
+                query = parts.query
+                recorded = re.search(r"(?:^|&)uploadId=([^&]+)", query)
+                if recorded:
+                    old = recorded.group(1)
+                    if old not in new_ids and parts.path in started:
+                        new_ids[old] = started.pop(parts.path)  # its first part
+                    query = query.replace(old, new_ids.get(old, old))
+                headers = {k: v for k, v in entry["headers"].items()
+                           if k.lower() not in ("transfer-encoding", "content-length")}
+                answer = session.request(entry["method"], f"{url}{parts.path}"
+                                         + (f"?{query}" if query else ""), headers=headers,
+                                         data=body, timeout=600)
+                failed += answer.status_code >= 400
+                if not recorded and re.search(r"(?:^|&)uploads(?:=|&|$)", query):
+                    new = re.search(r"<UploadId>([^<]+)</UploadId>", answer.text)
+                    if new:
+                        started[parts.path] = new.group(1)
+    finally:
+        recorder("start-recording")
+    return failed
 
 
 def _mlflow_env(folder: Path, ports: StackPorts, keys: StackSecrets) -> dict[str, str]:

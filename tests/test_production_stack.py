@@ -301,6 +301,28 @@ def test_a_stopped_bucket_fails_in_preflight_and_a_restart_keeps_every_version(
     assert again.returncode == 0 and again.stdout.count("already running") == 5
 
 
+def test_the_bucket_keeps_a_multipart_object_across_a_restart(tmp_path):
+    """An object over boto3's 8 MB multipart threshold (a model's weights), and one written
+    after it, are there again when the stack's S3 server starts from its request log."""
+    ports = production_stack._ports(tmp_path, production_stack.StackPorts(s3=free_port()))
+    keys = production_stack.StackSecrets.load_or_create(tmp_path)
+    weights = os.urandom(20 * 2**20)
+    try:
+        production_stack._start_s3(tmp_path, ports, keys)
+        s3 = production_stack.s3_client(tmp_path)
+        s3.upload_fileobj(io.BytesIO(weights), production_stack.BUCKET, "model/weights.bin")
+        s3.put_object(Bucket=production_stack.BUCKET, Key="after.txt", Body=b"after")
+        services.stop(tmp_path)
+        production_stack._start_s3(tmp_path, ports, keys)
+        s3 = production_stack.s3_client(tmp_path)
+        read = lambda key: s3.get_object(  # noqa: E731
+            Bucket=production_stack.BUCKET, Key=key)["Body"].read()
+        assert read("model/weights.bin") == weights
+        assert read("after.txt") == b"after"
+    finally:
+        services.stop(tmp_path)
+
+
 def test_a_taken_port_is_named_before_anything_starts(tmp_path):
     import socket
 
