@@ -45,6 +45,8 @@ TIMEOUT = "TRAINFLOW_REMOTE_TIMEOUT_S"
 FETCHED = "fetched"
 """The home's folder of local copies: fetched/<manifest sha256>/ is a split folder."""
 STORE_DATA = "images.u8"
+KEPT_FETCHED = 4
+"""Fetched splits a machine keeps: a new dataset version is a new split, its old copy unused."""
 POLL_S = 1.0
 
 
@@ -185,11 +187,32 @@ def fetch_split(remote: RemoteRoot, split: SplitResult, published: RemoteSplit, 
                 ) -> SplitResult:
     """The split on this machine's disk: its manifest and stores, fetched once per hash and
     kept. The result reads decoded rows only (`decoded_only`): the images are not here."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
     folder = home / FETCHED / published.manifest_sha256
     with file_lock(folder.parent / f".{folder.name}.lock"):  # two launches on one machine
-        _fetch_split(remote, published, folder)
+        try:
+            _fetch_split(remote, published, folder)
+        except (ClientError, BotoCoreError) as e:
+            raise RemoteRootError(
+                f"the split {published.manifest_sha256[:12]} cannot be fetched from {remote} "
+                f"({e}): this machine must reach the bucket the flow's machine published it "
+                "to (the same TRAINFLOW_REMOTE_ROOT, AWS_ENDPOINT_URL_S3 and S3 keys)") from None
+        os.utime(folder)  # used now: the least recently used copies go first
+    prune_fetched(home)
     return split.model_copy(update={"manifest": folder / "manifest" / "manifest.csv",
                                     "root": folder / "images-not-here", "decoded_only": True})
+
+
+def prune_fetched(home: Path, kept: int = KEPT_FETCHED) -> list[Path]:
+    """Remove all but the `kept` most recently used fetched splits (a training that still maps
+    a removed store keeps reading it: its files go when it ends)."""
+    folders = sorted((p for p in (home / FETCHED).iterdir() if p.is_dir()),
+                     key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in folders[kept:]:
+        with file_lock(old.parent / f".{old.name}.lock"):
+            shutil.rmtree(old, ignore_errors=True)
+    return folders[kept:]
 
 
 def _fetch_split(remote: RemoteRoot, published: RemoteSplit, folder: Path) -> None:

@@ -52,7 +52,7 @@ def remote(s3_server, monkeypatch, request):
 
 def test_a_split_goes_up_once_and_is_read_elsewhere_without_its_images(digits_split, remote,
                                                                        tmp_path):
-    from runtime.remote import fetch_split, publish_split
+    from runtime.remote import RemoteRootError, fetch_split, publish_split
     from training.data.cache import decode_split
 
     _, split = digits_split
@@ -81,6 +81,26 @@ def test_a_split_goes_up_once_and_is_read_elsewhere_without_its_images(digits_sp
 
     with pytest.raises(ValueError, match="lacks .* images of the train split"):
         decode_split(fetched, "train", 16, 1)  # a side that was not published
+
+    # A split the bucket does not hold is named, with what to check; nothing is left behind.
+    missing = published.model_copy(update={"manifest_sha256": "0" * 64})
+    with pytest.raises(RemoteRootError, match="cannot be fetched from s3://.* same "
+                       "TRAINFLOW_REMOTE_ROOT"):
+        fetch_split(remote, split, missing, elsewhere)
+    assert not list((elsewhere / "fetched" / ("0" * 64)).rglob("*.csv"))
+
+
+def test_a_machine_keeps_the_newest_fetched_splits_only(tmp_path):
+    from runtime.remote import KEPT_FETCHED, prune_fetched
+
+    folders = []
+    for i in range(KEPT_FETCHED + 2):
+        folder = tmp_path / "fetched" / f"{i:064d}"
+        (folder / "manifest").mkdir(parents=True)
+        os.utime(folder, (1000 + i, 1000 + i))
+        folders.append(folder)
+    assert prune_fetched(tmp_path) == [folders[1], folders[0]]
+    assert sorted(p for p in (tmp_path / "fetched").iterdir() if p.is_dir()) == folders[2:]
 
 
 def _checkpoint(folder: Path, number: int, size: int = 1000) -> Path:
