@@ -26,6 +26,7 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -190,6 +191,19 @@ def _start_s3(folder: Path, ports: StackPorts, keys: StackSecrets) -> None:
         s3.create_bucket(Bucket=BUCKET)
 
 
+def recorded_requests(log: Path) -> Iterator[dict]:
+    """The entries of moto's request log. moto appends each entry and its newline in two writes
+    from concurrent request threads (a multipart upload's parts), so a line may hold several
+    entries back to back: each is decoded in turn."""
+    decoder = json.JSONDecoder()
+    with open(log) as lines:
+        for line in lines:
+            line, at = line.strip(), 0
+            while at < len(line):
+                entry, at = decoder.raw_decode(line, at)
+                yield entry
+
+
 def replay(url: str, log: Path) -> int:
     """Send moto's request log to a fresh server, unrecorded; return how many requests failed.
 
@@ -210,9 +224,8 @@ def replay(url: str, log: Path) -> int:
     recorder("stop-recording")  # the log holds these requests already
     failed, new_ids, started = 0, {}, {}
     try:
-        with requests.Session() as session, open(log) as entries:
-            for line in entries:
-                entry = json.loads(line)
+        with requests.Session() as session:
+            for entry in recorded_requests(log):
                 body = entry.get("body") or b""
                 if entry.get("body_encoded"):
                     body = base64.b64decode(body)

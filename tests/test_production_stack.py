@@ -323,6 +323,17 @@ def test_the_bucket_keeps_a_multipart_object_across_a_restart(tmp_path):
         services.stop(tmp_path)
 
 
+def test_the_request_log_is_read_whole_when_two_entries_share_a_line(tmp_path):
+    """moto writes an entry and its newline separately from concurrent threads (a multipart
+    upload's parts): the next entry can land before the newline."""
+    entries = [{"method": "PUT", "url": "/a?partNumber=1"}, {"method": "PUT", "url": "/a?n=2"},
+               {"method": "POST", "url": "/a"}]
+    log = tmp_path / "s3-requests.jsonl"
+    log.write_text(json.dumps(entries[0]) + json.dumps(entries[1]) + "\n\n"
+                   + json.dumps(entries[2]) + "\n")
+    assert list(production_stack.recorded_requests(log)) == entries
+
+
 def test_a_taken_port_is_named_before_anything_starts(tmp_path):
     import socket
 
