@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,8 +104,10 @@ class RemoteRoot:
         os.replace(tmp, path)
 
     def delete(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            self.client.delete_object(Bucket=self.bucket, Key=key)
+        keys = list(keys)
+        for at in range(0, len(keys), 1000):  # S3's most per request
+            self.client.delete_objects(Bucket=self.bucket, Delete={
+                "Objects": [{"Key": key} for key in keys[at:at + 1000]], "Quiet": True})
 
 
 class _Prefix:
@@ -332,8 +335,6 @@ class CheckpointUploader:
         return body == marker.read_bytes()
 
     def _upload(self, folder: Path, number: int) -> None:
-        import time
-
         started = time.perf_counter()
         base = self.remote.key(self.prefix, folder.name)
         marker_key = f"{base}/{STATE_FILE}"

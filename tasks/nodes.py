@@ -155,12 +155,13 @@ class NodeCheck:
 
 def wait_completed(client, runs: dict[int, UUID], timeout_s: float) -> None:
     """The other machines' runs end with machine 0's launch; one that failed fails training."""
-    check, deadline = NodeCheck(client, runs), time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        check.next = 0.0
-        check()
-        states = [client.read_flow_run(run_id).state for run_id in runs.values()]
-        if all(state is not None and state.is_completed() for state in states):
+        states = {rank: client.read_flow_run(run_id).state for rank, run_id in runs.items()}
+        for rank, state in sorted(states.items()):
+            if state is not None and state.is_final() and not state.is_completed():
+                raise LaunchFailed(f"machine {rank} ended {state.name}: {state.message}")
+        if all(state is not None and state.is_completed() for state in states.values()):
             return
         time.sleep(POLL_S)
     raise LaunchFailed(f"machine 0 finished, and the other machines' runs did not end within "
@@ -258,15 +259,14 @@ def cancel_unfinished(client, runs: dict[int, UUID], logger) -> None:
 
 # --- each machine's side ---------------------------------------------------------------------
 
-def local_job(job: TrainJob, machine_rank: int, folder: str,
+def local_job(job: TrainJob, machine_rank: int, folder: str, remote: RemoteRoot | None,
               remote_split: RemoteSplit | None) -> TrainJob:
     """The job with this machine's paths: as given where its files are (a shared mount, or the
     flow's machine), else with the split fetched from the remote root."""
     if job.split.manifest.exists() and job.split.root.exists():
         return job
     where = f"machine {machine_rank} ({socket.gethostname()})"
-    remote = remote_root() if remote_split is not None else None
-    if remote is None:
+    if remote is None or remote_split is None:
         raise FileNotFoundError(
             f"{where} cannot see {job.split.manifest}: the dataset and its manifest must be on "
             "storage every machine mounts (TRAINFLOW_HOME at the same path), or every machine "
@@ -284,12 +284,12 @@ def launch_node(job: TrainJob, machine_rank: int, resume: bool, machine_0_run: s
                 folder: str, remote_split: RemoteSplit | None = None) -> int:
     """This machine's `accelerate launch`; returns how many ranks started here."""
     logger = run_logger()
-    job = local_job(job, machine_rank, folder, remote_split)
+    remote = remote_root() if remote_split is not None else None
+    job = local_job(job, machine_rank, folder, remote, remote_split)
     spec = job.training
     # The GPUs that matter are this machine's: checked here, before the rendezvous, so a node
     # that cannot train fails alone and by name instead of leaving the others waiting.
     check_training(spec.on_this_machine())
-    remote = remote_root() if remote_split is not None else None
     if remote is not None and resume:
         fetched = fetch_checkpoints(remote, f"{folder}/checkpoints",
                                     job.output_dir / "checkpoints")

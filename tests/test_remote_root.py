@@ -103,6 +103,11 @@ def test_a_machine_keeps_the_newest_fetched_splits_only(tmp_path):
     assert sorted(p for p in (tmp_path / "fetched").iterdir() if p.is_dir()) == folders[2:]
 
 
+# Large enough that its upload (about 1.5 s through moto) outlasts the few milliseconds between
+# its first object appearing and the cut, however fast the machine.
+CUT_SIZE = 256 * 2**20
+
+
 def _checkpoint(folder: Path, number: int, size: int = 1000) -> Path:
     path = folder / f"checkpoint_{number}"
     path.mkdir(parents=True)
@@ -133,13 +138,13 @@ def test_checkpoints_go_up_marker_last_and_a_cut_upload_is_never_resumed(remote,
     assert sorted(remote_checkpoints(remote, prefix)) == [2, 3]  # the newest two are kept
 
     # The machine doing the upload dies half-way through checkpoint 4's weights (64 MB).
-    _checkpoint(local, 4, size=64 * 2**20)
+    _checkpoint(local, 4, size=CUT_SIZE)
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(UPLOAD_ONE), str(local),
                              prefix], env={**os.environ, "PYTHONPATH": str(Path.cwd())})
     first = remote.key(prefix, "checkpoint_4", "a-small.json")
     deadline = time.monotonic() + 60
     while not remote.exists(first) and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert remote.exists(first), "the upload never started"
@@ -171,14 +176,14 @@ def test_a_checkpoint_upload_cut_by_the_s3_server_stopping_is_never_resumed(s3_s
     for number in (1, 2):
         _checkpoint(local, number)
         assert uploader.sweep()
-    _checkpoint(local, 3, size=48 * 2**20)
+    _checkpoint(local, 3, size=CUT_SIZE)
     outcome = []
     upload = threading.Thread(target=lambda: outcome.append(uploader.sweep()))
     upload.start()
     first = remote.key(prefix, "checkpoint_3", "a-small.json")
     deadline = time.monotonic() + 60
     while not remote.exists(first) and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.01)
     os.killpg(server.pid, signal.SIGSTOP)
     try:
         upload.join(120)

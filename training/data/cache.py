@@ -45,35 +45,26 @@ def decode_split(data: SplitResult, split: str, side: int | Geometry, channels: 
     paths = [p for p, _, _ in rows]
     labels = np.array([index[label] for _, label, _ in rows], dtype=np.int64)
     folder = data.manifest.parent.parent
-    if data.decoded_only:
-        return _fetched(data, folder, split, side, channels, paths, labels)
-    failed = {rel: o.reason for rel, o in
-              decode_into_stores(data.root, {side: paths}, folder, on_progress).items()
-              if not o.ok}
-    if failed:
-        rel, reason = next(iter(failed.items()))
-        raise ValueError(f"{len(failed)} images of the {split} split became unreadable after "
-                         f"the split checked them, first {data.root / rel}: {reason}; restore "
-                         "them, or run the flow again to re-split")
-    store = DecodeStore(folder, side)
-    with store.locked(exclusive=False) as stored:
-        found = store.lookup(stored, paths)
-    # Memory-mapped: every rank on the host shares the same page cache instead of a copy each.
-    # Grayscale datasets are stored with the channel repeated; channel 0 is the image.
-    return SplitImages(found.images[:, :channels], found.rows, labels, paths)
-
-
-def _fetched(data: SplitResult, folder, split: str, side: int | Geometry, channels: int,
-             paths: list[str], labels: np.ndarray) -> SplitImages:
-    """From a store fetched whole (runtime/remote.py): nothing to decode, nothing to stat."""
+    # A store fetched whole from a remote root holds every row: the images are not here.
+    if not data.decoded_only:
+        failed = {rel: o.reason for rel, o in
+                  decode_into_stores(data.root, {side: paths}, folder, on_progress).items()
+                  if not o.ok}
+        if failed:
+            rel, reason = next(iter(failed.items()))
+            raise ValueError(f"{len(failed)} images of the {split} split became unreadable "
+                             f"after the split checked them, first {data.root / rel}: {reason}; "
+                             "restore them, or run the flow again to re-split")
     store = DecodeStore(folder, side)
     with store.locked(exclusive=False) as stored:
         missing = [p for p in paths if p not in stored["files"]]
         if missing:
-            raise ValueError(f"the fetched {store.geometry.name} store of {data.manifest} lacks "
+            raise ValueError(f"the {store.geometry.name} store of {data.manifest} lacks "
                              f"{len(missing)} images of the {split} split, first {missing[0]}: "
-                             "the flow publishes every store the training reads; run it again")
+                             "run the flow again (it publishes every store the training reads)")
         found = store.lookup(stored, paths)
+    # Memory-mapped: every rank on the host shares the same page cache instead of a copy each.
+    # Grayscale datasets are stored with the channel repeated; channel 0 is the image.
     return SplitImages(found.images[:, :channels], found.rows, labels, paths)
 
 
