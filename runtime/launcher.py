@@ -23,7 +23,14 @@ from training.config import TrainingSpec
 from training.engine.events import Event, Failed, Preempted, last_from_rank_0
 from training.engine.progress import TASK_REPORTS, ProgressReader
 from training.hardware import cuda_gpu_count
-from training.processes import TERMINATE_GRACE_S, free_port, kill_tree, port_in_use, tied_to_parent
+from training.processes import (
+    MACHINE_RANK,
+    TERMINATE_GRACE_S,
+    free_port,
+    kill_tree,
+    port_in_use,
+    tied_to_parent,
+)
 
 STARTUP_TIMEOUT_S = 180.0
 
@@ -263,6 +270,8 @@ def launch(spec: TrainingSpec, module: str, args: list[str], output_dir: Path,
     A free port is chosen just before the launch, so another launch can take it first: then
     (and only for a port we chose) the launch is repeated on a new port.
     """
+    if spec.num_machines > 1 and not one_process:
+        extra_env = {**(extra_env or {}), MACHINE_RANK: str(spec.machine_rank)}
     for attempt in range(1, PORT_ATTEMPTS + 1):
         env = launch_env(extra_env)
         command = ([sys.executable, "-m", module, *args] if one_process

@@ -25,6 +25,11 @@ import psutil
 TERMINATE_GRACE_S = 5.0
 
 
+MACHINE_RANK = "TRAINFLOW_MACHINE_RANK"
+"""Set by the launcher on a launch that is one machine of several: that machine's rank
+(training/engine/ranks.py numbers the global ranks by it)."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on now; a caller that binds it later must handle a lost race."""
     with socket.socket() as s:
