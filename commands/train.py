@@ -199,6 +199,12 @@ def run_train(params: dict, as_json: bool, force: bool = False, from_file: bool 
                      + "\n".join(f"  {p}" for p in e.problems))
     started = time.perf_counter()
     with local_prefect_api():
+        from runtime.remote import RemoteRootError, save_result_storage
+
+        try:
+            save_result_storage()  # with a remote root: the block the flow's results go to
+        except RemoteRootError as e:
+            sys.exit(f"train-flow: {e}")
         from flows.train_flow import train_flow
 
         state = train_flow(**params, force=force, return_state=True)

@@ -15,8 +15,9 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from runtime.infrastructure import end_with_worker
+from runtime.remote import bucket_results
 from tasks.approval import apply_approval, ask_for_approval
-from tasks.data import prepare_dataset, split_dataset
+from tasks.data import bring_data_here, prepare_dataset, split_dataset
 from tasks.decision import Registration
 from tasks.drift import record_drift_reference
 from tasks.evaluate import Evaluation, evaluate_model
@@ -28,7 +29,7 @@ from tasks.register import register_model
 from tasks.report import publish_report
 from tasks.review import Review, review_version
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run, run_url
-from tasks.train import train_model
+from tasks.train import bring_outputs_here, train_model
 from training.config import DatasetSpec, RegistrySpec, RetrainSpec, SplitSpec, TrainingSpec
 from training.data.sides import split_sides
 from training.handoff import TrainResult
@@ -47,7 +48,10 @@ class FlowResult(BaseModel):
 
 
 # Parameters are validated in resolve_parameters, after the deployment's are laid under them.
-@flow(name="train-flow", log_prints=True, validate_parameters=False)
+# With TRAINFLOW_REMOTE_ROOT the finished stages' results are kept in the bucket: a run retried
+# on another machine skips them (runtime/remote.py).
+@flow(name="train-flow", log_prints=True, validate_parameters=False,
+      **bucket_results())
 def train_flow(
     dataset: DatasetSpec,
     split: SplitSpec = SplitSpec(),  # noqa: B008  (frozen pydantic models: safe defaults)
@@ -63,6 +67,7 @@ def train_flow(
     check_before_start(dataset, training)
     source = prepare_dataset(dataset)
     data = split_dataset(source, split, split_sides(training))
+    bring_data_here(source, data)  # a retry on another machine: the files of the stages above
     lineage = lineage_tags(dataset, split, training, registry, source, data)
     if not force and (version := find_unchanged_champion(registry.model_name, lineage)):
         return FlowResult(skipped=f"champion v{version} already trained on this data and spec")
@@ -72,6 +77,7 @@ def train_flow(
     with failing_with_the_flow(run_id):
         run_dir = home() / "runs" / str(flow_run.get_id())
         trained = train_model(data, training, run_dir / "train", run_id, tracking_uri())
+        bring_outputs_here(trained)  # a retry on another machine: the weights, the evaluation
         evaluation = evaluate_model(trained, run_id)
         champion_scored.wait()  # the gate finds its predictions in its cache
         registration = register_model(trained, evaluation, registry, run_id, lineage)

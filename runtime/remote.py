@@ -4,9 +4,12 @@
 
 Under the root:
 
+    datasets/<fingerprint>.tar                       a dataset version's folder, mtimes kept
     splits/<manifest sha256>/manifest.csv            a split's manifest
+    splits/<manifest sha256>/split.json              its stores (RemoteSplit), ledger beside it
     stores/<index sha256>/images.u8, index.json      a decode store, one large object; index last
     <run folder>/checkpoints/checkpoint_<n>/...      machine 0's checkpoints; trainer_state.json last
+    results/<cache key>                              Prefect's results of the resumable stages
 
 Everything a machine reads is content-addressed or marked complete by the object written last,
 so a half-written upload is never read. Endpoint and credentials are boto3's own
@@ -23,9 +26,12 @@ import logging
 import os
 import re
 import shutil
+import tarfile
+import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,10 +41,11 @@ from pydantic import BaseModel
 
 from runtime.credentials import use_secret_blocks
 from trainflow_serving.images import Geometry, as_geometry
+from training.data.sources import DatasetRef
 from training.data.store import DecodeStore
 from training.engine.checkpoint import KEEP_CHECKPOINTS, STATE_FILE
-from training.handoff import SplitResult
-from training.storage import file_lock
+from training.handoff import SplitResult, TrainJob
+from training.storage import file_lock, home
 
 REMOTE_ROOT = "TRAINFLOW_REMOTE_ROOT"
 TIMEOUT = "TRAINFLOW_REMOTE_TIMEOUT_S"
@@ -46,6 +53,13 @@ TIMEOUT = "TRAINFLOW_REMOTE_TIMEOUT_S"
 FETCHED = "fetched"
 """The home's folder of local copies: fetched/<manifest sha256>/ is a split folder."""
 STORE_DATA = "images.u8"
+SPLIT_RECORD = "split.json"
+LEDGER = "ledger.json"
+QUARANTINE = "quarantine.json"
+MTIMES = ".trainflow-mtimes.json"
+"""In a dataset archive: each file's modification time to the nanosecond (tar keeps less), which
+the decode stores key their rows by."""
+RESULTS = "results"
 KEPT_FETCHED = 4
 """Fetched splits a machine keeps: a new dataset version is a new split, its old copy unused."""
 POLL_S = 1.0
@@ -183,7 +197,15 @@ def publish_split(remote: RemoteRoot, split: SplitResult,
                               size=index["rows"] * store.row_bytes)
                 remote.put(body, remote.key("stores", sha, "index.json"))  # last: complete
         stores[geometry.name] = sha
-    return RemoteSplit(manifest_sha256=split.manifest_sha256, stores=stores)
+    published = RemoteSplit(manifest_sha256=split.manifest_sha256, stores=stores)
+    folder = split.manifest.parent.parent
+    for path in (folder / LEDGER, split.manifest.parent / QUARANTINE):
+        if path.exists():
+            remote.upload(path, remote.key("splits", split.manifest_sha256, path.name))
+    # Last: a machine that finds the record finds everything it names.
+    remote.put(published.model_dump_json().encode(),
+               remote.key("splits", split.manifest_sha256, SPLIT_RECORD))
+    return published
 
 
 def fetch_split(remote: RemoteRoot, split: SplitResult, published: RemoteSplit, home: Path,
@@ -228,12 +250,211 @@ def _fetch_split(remote: RemoteRoot, published: RemoteSplit, folder: Path) -> No
         marker = store.folder / "fetched.sha256"
         if marker.exists() and marker.read_text() == sha:
             continue
-        remote.download(remote.key("stores", sha, STORE_DATA), store.folder / STORE_DATA)
-        remote.download(remote.key("stores", sha, "index.json"), store.index_path)
+        _download_store(remote, sha, store)
         marker.write_text(sha)
 
 
+def _download_store(remote: RemoteRoot, sha: str, store: DecodeStore) -> None:
+    remote.download(remote.key("stores", sha, STORE_DATA), store.folder / STORE_DATA)
+    remote.download(remote.key("stores", sha, "index.json"), store.index_path)  # last
+
+
+# --- a flow run retried on another machine ---------------------------------------------------
+
+def result_storage() -> str | None:
+    """The Prefect block (`s3-bucket/<name>`) that holds the flow's results under the remote
+    root's `results/`, so that a flow run retried on another machine skips its finished
+    stages; None without a remote root. Prefect loads it when a run starts:
+    `save_result_storage` (a pull step of every deployment in prefect.yaml, and `trainflow
+    train`) saves it first."""
+    url = os.environ.get(REMOTE_ROOT, "").strip()
+    if not url:
+        return None
+    return f"s3-bucket/trainflow-results-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
+
+
+def bucket_results() -> dict:
+    """train-flow's result options with a remote root: its stages' results as JSON in the
+    bucket, never pickled; none without one. Only the stages that ask to be resumable
+    (tasks.RESUMABLE) keep theirs: a flow with a storage of its own would otherwise persist, and
+    so cache, every task's result (the preflight and the fetch of missing files included)."""
+    slug = result_storage()
+    if slug is None:
+        return {}
+    return {"result_storage": slug, "result_serializer": "json", "persist_result": False}
+
+
+def save_result_storage() -> dict:
+    """Save the block `result_storage` names (a deployment's pull step: it runs on whichever
+    machine takes the flow run, before the flow is loaded). It holds the bucket and folder
+    only: credentials and endpoint stay boto3's own, read where the results are."""
+    slug = result_storage()
+    if slug is None:
+        return {}
+    remote = remote_root()  # a malformed URL is named here, before the run starts
+    from prefect_aws import AwsCredentials, S3Bucket
+
+    S3Bucket(bucket_name=remote.bucket, bucket_folder=remote.key(RESULTS),
+             credentials=AwsCredentials()).save(slug.split("/", 1)[1], overwrite=True)
+    return {"result_storage": slug}
+
+
+def publish_dataset(remote: RemoteRoot, ref: DatasetRef) -> str | None:
+    """The dataset version's folder as one archive (`datasets/<fingerprint>.tar`), once per
+    version; its key, or None for a folder outside the home (a user's own folder, which every
+    machine that may run the flow mounts)."""
+    if not ref.source_root.is_relative_to(home()):
+        return None
+    key = remote.key("datasets", f"{ref.fingerprint}.tar")
+    if not remote.exists(key):
+        publish_folder(remote, ref.source_root, key)
+    return key
+
+
+def restore_dataset(remote: RemoteRoot, ref: DatasetRef) -> bool:
+    """The dataset version's folder on this machine, at the path the prepare stage gave it,
+    from the bucket's archive when it is not here; True when it was fetched."""
+    folder = ref.source_root
+    if folder.exists() or not folder.is_relative_to(home()):
+        return False
+    key = remote.key("datasets", f"{ref.fingerprint}.tar")
+    with file_lock(folder.parent / f".{folder.name}.lock"):  # the prepare stage's own lock
+        if folder.exists():
+            return False
+        if not remote.exists(key):
+            raise RemoteRootError(
+                f"the dataset {ref.source} (version {ref.fingerprint[:12]}) is neither at "
+                f"{folder} nor in {remote}: the machine that prepared it did not publish it. "
+                "Run the flow again with `force` to prepare it here")
+        restore_folder(remote, key, folder)
+    return True
+
+
+def publish_run_outputs(remote: RemoteRoot, folder: Path) -> str:
+    """A stage's outputs in the run folder (`train/`: best weights, job, history;
+    `evaluation/`: predictions, metrics, pictures) as one archive beside its checkpoints,
+    replaced each time; not the checkpoints (uploaded as they come) or the ranks' progress."""
+    key = remote.key(folder.relative_to(home()).as_posix() + ".tar")
+    publish_folder(remote, folder, key, skip={"checkpoints", "progress"})
+    return key
+
+
+def restore_run_outputs(remote: RemoteRoot, run_dir: Path) -> list[str]:
+    """The files of the run's finished stages that this machine lacks (a retry on another
+    machine after training ended), from their archives; the folders fetched."""
+    fetched = []
+    for stage in ("train", "evaluation"):
+        key = remote.key((run_dir / stage).relative_to(home()).as_posix() + ".tar")
+        if remote.exists(key):
+            restore_folder(remote, key, run_dir / stage)
+            fetched.append(stage)
+    return fetched
+
+
+def publish_folder(remote: RemoteRoot, folder: Path, key: str, skip: Iterable[str] = ()
+                   ) -> None:
+    """`folder`'s files as one object, `skip` subfolders left out, each file's modification
+    time kept to the nanosecond."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file()
+                   and not set(p.relative_to(folder).parts[:-1]) & set(skip))
+    mtimes = {p.relative_to(folder).as_posix(): p.stat().st_mtime_ns for p in files}
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".publish.") as tmp:
+        archive = Path(tmp) / "folder.tar"
+        (Path(tmp) / MTIMES).write_text(json.dumps(mtimes))
+        with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
+            for path in files:
+                tar.add(path, arcname=path.relative_to(folder).as_posix(), recursive=False)
+            tar.add(Path(tmp) / MTIMES, arcname=MTIMES)
+        remote.upload(archive, key)
+
+
+def restore_folder(remote: RemoteRoot, key: str, folder: Path) -> None:
+    """The archive at `key` into `folder`: the whole folder at once when it is not here, else
+    the files it lacks (a file already here is this machine's and is kept)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".fetch.") as tmp:
+        archive = Path(tmp) / "folder.tar"
+        remote.download(key, archive)
+        out = Path(tmp) / "folder"
+        with tarfile.open(archive) as tar:
+            tar.extractall(out, filter="data")  # no links out of it, no absolute paths
+        mtimes = json.loads((out / MTIMES).read_text())
+        (out / MTIMES).unlink()
+        for relpath, ns in mtimes.items():
+            os.utime(out / relpath, ns=(ns, ns))
+        if not folder.exists():
+            os.replace(out, folder)
+            return
+        for relpath in mtimes:
+            if not (folder / relpath).exists():
+                (folder / relpath).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(out / relpath, folder / relpath)
+
+
+def restore_split(remote: RemoteRoot, split: SplitResult) -> bool:
+    """The split's manifest, ledger and decode stores on this machine, at the paths the split
+    stage gave them, when they are not here; True when they were fetched. The manifest comes
+    last: a restore cut off is done again."""
+    if split.decoded_only or split.manifest.exists():
+        return False
+    base = remote.key("splits", split.manifest_sha256)
+    folder = split.manifest.parent.parent
+    with file_lock(folder.parent / f".{folder.name}.restore.lock"):
+        if split.manifest.exists():
+            return False
+        if not remote.exists(f"{base}/{SPLIT_RECORD}"):
+            raise RemoteRootError(
+                f"the split {split.manifest_sha256[:12]} is neither at {split.manifest} nor "
+                f"in {remote}: the machine that made it did not publish it. Run the flow again "
+                "with `force` to split here")
+        body = remote.client.get_object(Bucket=remote.bucket,
+                                        Key=f"{base}/{SPLIT_RECORD}")["Body"].read()
+        for name, sha in RemoteSplit.model_validate_json(body).stores.items():
+            store = DecodeStore(folder, Geometry.parse(name))
+            if not store.index_path.exists():
+                _download_store(remote, sha, store)
+        for name, target in ((LEDGER, folder / LEDGER),
+                             (QUARANTINE, split.manifest.parent / QUARANTINE)):
+            if not target.exists() and remote.exists(f"{base}/{name}"):
+                remote.download(f"{base}/{name}", target)
+        remote.download(f"{base}/manifest.csv", split.manifest)
+    return True
+
+
 # --- checkpoints -----------------------------------------------------------------------------
+
+def run_prefix(job: TrainJob) -> str:
+    """The run's folder relative to the home: the same on every machine, and the prefix of its
+    checkpoints in the bucket."""
+    try:
+        return job.output_dir.relative_to(home()).as_posix()
+    except ValueError:
+        return f"runs/{job.output_dir.parent.name}/{job.output_dir.name}"
+
+
+@contextmanager
+def checkpoints_through(remote: RemoteRoot, job: TrainJob, resume: bool,
+                        logger: logging.Logger | logging.LoggerAdapter
+                        ) -> Iterator[CheckpointUploader]:
+    """Around machine 0's launch: fetch the newest complete checkpoints first (a resume on a
+    machine that has none of its own), upload each new one while training goes on."""
+    prefix, local = f"{run_prefix(job)}/checkpoints", job.output_dir / "checkpoints"
+    if resume:
+        fetched = fetch_checkpoints(remote, prefix, local)
+        if fetched:
+            logger.info("fetched checkpoint(s) %s from %s", fetched, remote)
+    uploads = CheckpointUploader(remote, local, prefix, logger)
+    # Every machine resumes from what the bucket holds: a checkpoint complete only here would
+    # make machine 0 start at a later epoch than the others.
+    if resume and not uploads.sweep():
+        raise RemoteRootError(f"the newest checkpoint could not be uploaded to {remote}; the "
+                              "other machines could not resume from it (see the warning above)")
+    with uploads:
+        yield uploads
+    logger.info("%d checkpoint(s) uploaded, %.0f MB in %.1f s in the background",
+                len(uploads.uploaded), uploads.bytes / 1e6, uploads.seconds)
+
+# --- checkpoint transfers -----------------------------------------------------------------------------
 
 def _number(name: str) -> int:
     match = re.search(r"checkpoint_(\d+)$", name)

@@ -12,6 +12,13 @@ from collections.abc import Callable, Iterator
 from prefect import task
 from rich.progress import Progress
 
+from runtime.remote import (
+    publish_dataset,
+    publish_split,
+    remote_root,
+    restore_dataset,
+    restore_split,
+)
 from tasks import RESUMABLE, run_logger
 from training.config import DatasetSpec, SplitSpec
 from training.data.kaggle import KaggleCredentials
@@ -45,6 +52,8 @@ def prepare_dataset(dataset: DatasetSpec) -> DatasetRef:
     ref = prepare(dataset, home(), credentials_from_secret_block(), warn=logger.warning)
     logger.info("dataset %s: %d images in %d classes at %s (fingerprint %s)", dataset.source,
                 ref.image_count, len(ref.class_names), ref.root, ref.fingerprint[:12])
+    if (remote := remote_root()) is not None and (key := publish_dataset(remote, ref)):
+        logger.info("dataset version in %s: %s", remote, key)
     return ref
 
 
@@ -68,7 +77,28 @@ def split_dataset(dataset: DatasetRef, split: SplitSpec, sides: dict[str, int] |
     if result.quarantined:
         logger.warning("%d unreadable images quarantined: see %s", result.quarantined,
                        result.manifest.parent / "quarantine.json")
+    if (remote := remote_root()) is not None:
+        published = publish_split(remote, result, (sides or {}).values())
+        logger.info("split in %s: manifest %s, stores %s", remote,
+                    published.manifest_sha256[:12], published.stores)
     return result
+
+
+@task
+def bring_data_here(dataset: DatasetRef, split: SplitResult) -> None:
+    """With a remote root, a flow run retried on another machine finds the data stages done
+    (their results are in the bucket) but not their files: fetch the dataset version and the
+    split, at the same paths, before anything reads them. Not cached: it looks every time."""
+    remote = remote_root()
+    if remote is None:
+        return
+    logger = run_logger()
+    if restore_dataset(remote, dataset):
+        logger.info("dataset %s fetched from %s into %s", dataset.source, remote,
+                    dataset.source_root)
+    if restore_split(remote, split):
+        logger.info("split %s fetched from %s into %s", split.manifest_sha256[:12], remote,
+                    split.manifest.parent.parent)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from prefect import task
 from pydantic import BaseModel
 
 from runtime.launcher import launch
+from runtime.remote import publish_run_outputs, remote_root
 from tasks import MLFLOW_RETRIES, RESUMABLE, run_logger
 from tasks.train import evaluation_dir
 from training.engine.events import ClassFigures, Predicted, TestMetrics, last_from_rank_0
@@ -68,4 +69,6 @@ def evaluate_model(trained: TrainResult, mlflow_run_id: str) -> Evaluation:
         client.log_artifact(mlflow_run_id, str(file), artifact_path="evaluation")
     logger.info("test metrics on %d images: %s", evaluation.images,  # as the epoch lines
                 " ".join(f"{name}={value:.4g}" for name, value in evaluation.metrics.items()))
+    if (remote := remote_root()) is not None:  # for a retry on another machine
+        publish_run_outputs(remote, out)
     return evaluation

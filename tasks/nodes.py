@@ -38,13 +38,14 @@ from runtime.network import (
     wait_reachable,
 )
 from runtime.remote import (
-    CheckpointUploader,
     RemoteRoot,
     RemoteSplit,
+    checkpoints_through,
     fetch_checkpoints,
     fetch_split,
     publish_split,
     remote_root,
+    run_prefix,
 )
 from tasks import run_logger
 from tasks.preflight import NodesUnavailable, check_training, check_workers
@@ -100,18 +101,6 @@ def launch_here_and_on_nodes(job: TrainJob, resume: bool, logger,
                 published.manifest_sha256[:12], published.stores)
     address, port = machine_0_address(spec)
     create_table_artifact([{"address": address, "port": port}], description=RENDEZVOUS)
-    folder = run_folder(job)
-    checkpoints = job.output_dir / "checkpoints"
-    if resume:
-        fetched = fetch_checkpoints(remote, f"{folder}/checkpoints", checkpoints)
-        if fetched:
-            logger.info("fetched checkpoint(s) %s from %s", fetched, remote)
-    uploads = CheckpointUploader(remote, checkpoints, f"{folder}/checkpoints", logger)
-    # Every machine resumes from what the bucket holds: a checkpoint complete only here would
-    # make machine 0 start at a later epoch than the others.
-    if resume and not uploads.sweep():
-        raise LaunchFailed(f"the newest checkpoint could not be uploaded to {remote}; the "
-                           "other machines could not resume from it (see the warning above)")
     # The address is known before the others start: it travels in their job (a retry of this
     # task makes a new one, which a node reading this run's artifacts could mistake).
     located = job.model_copy(update={"training": spec.model_copy(update={
@@ -125,11 +114,9 @@ def launch_here_and_on_nodes(job: TrainJob, resume: bool, logger,
                                     remote_split=published)
             node = located.training.model_copy(update={"machine_rank": 0})
             args = ["--job", str(job.save())] + (["--resume"] if resume else [])
-            with uploads:
+            with checkpoints_through(remote, job, resume, logger):
                 events = launch(node, "training.train", args, job.output_dir, logger, on_event,
                                 rendezvous_env(address), check=NodeCheck(client, runs))
-            logger.info("%d checkpoint(s) uploaded, %.0f MB in %.1f s in the background",
-                        len(uploads.uploaded), uploads.bytes / 1e6, uploads.seconds)
             wait_completed(client, runs, spec.rendezvous_timeout_s)
             return events
         finally:
@@ -168,15 +155,6 @@ def wait_completed(client, runs: dict[int, UUID], timeout_s: float) -> None:
                        f"{timeout_s:g} s")
 
 
-def run_folder(job: TrainJob) -> str:
-    """The run's folder relative to the home: the same on every machine, and the prefix of its
-    checkpoints in the bucket."""
-    try:
-        return job.output_dir.relative_to(home()).as_posix()
-    except ValueError:
-        return f"runs/{job.output_dir.parent.name}/{job.output_dir.name}"
-
-
 def machine_0_address(spec: TrainingSpec) -> tuple[str, int]:
     """The address on the route to the Prefect server: a network every worker reaches."""
     address = spec.main_process_ip or address_towards(api_host())
@@ -191,7 +169,7 @@ def submit(job: TrainJob, rank: int, resume: bool, machine_0_run: UUID | None = 
     run = run_deployment(
         spec.node_deployment, timeout=0, work_queue_name=spec.node_queue(rank),
         parameters={"job": job.model_dump(mode="json"), "machine_rank": rank, "resume": resume,
-                    "run_folder": run_folder(job),
+                    "run_folder": run_prefix(job),
                     "machine_0_run": str(machine_0_run) if machine_0_run else None,
                     "remote_split": remote_split.model_dump() if remote_split else None})
     return run.id

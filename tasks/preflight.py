@@ -265,10 +265,9 @@ def check_workers(client, spec: TrainingSpec, first: int = 0) -> None:
             "(with its own rank), or lower training.num_machines")
 
 
-def check_machines(training: TrainingSpec) -> None:
-    """A worker ready for every machine's node, before the dataset is even downloaded."""
-    from prefect import get_client
-
+def check_remote():
+    """The remote root, when one is set, answers with these credentials (a Secret block's are
+    loaded here, before the first result is looked up in the bucket)."""
     from runtime.remote import RemoteRootError, check_remote_root, remote_root
 
     try:
@@ -277,6 +276,14 @@ def check_machines(training: TrainingSpec) -> None:
             check_remote_root(remote)
     except RemoteRootError as e:
         raise PreflightError(str(e)) from None
+    return remote
+
+
+def check_machines(training: TrainingSpec) -> None:
+    """A worker ready for every machine's node, before the dataset is even downloaded."""
+    from prefect import get_client
+
+    remote = check_remote()
     with get_client(sync_client=True) as client:
         try:
             check_workers(client, training, first=1 if remote is not None else 0)
@@ -288,6 +295,7 @@ def check_machines(training: TrainingSpec) -> None:
 def check_before_start(dataset: DatasetSpec, training: TrainingSpec) -> None:
     """Fail in seconds, with one clear message, on what would otherwise fail late."""
     check_mlflow()
+    check_remote()
     check_dataset(dataset)
     check_training(training)
     run_logger().info("preflight passed: MLflow at %s, dataset %s, %s processes",

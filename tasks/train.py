@@ -13,6 +13,13 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from runtime.launcher import launch
 from runtime.mlflow_logging import EpochLogger
+from runtime.remote import (
+    RemoteRootError,
+    checkpoints_through,
+    publish_run_outputs,
+    remote_root,
+    restore_run_outputs,
+)
 from tasks import RESUMABLE, run_logger
 from tasks.tracking import fluent_mlflow
 from trainflow_serving.model_names import network_library
@@ -73,9 +80,10 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
                 warm_imports(job.training.model)
                 events = launch_nodes(job, resume, logger, on_event)
             else:
-                events = launch(job.training, "training.train", args, job.output_dir, logger,
-                                on_event, extra_env,
-                                on_started=lambda: warm_imports(job.training.model))
+                with checkpoints_in_bucket(job, resume, logger):
+                    events = launch(job.training, "training.train", args, job.output_dir,
+                                    logger, on_event, extra_env,
+                                    on_started=lambda: warm_imports(job.training.model))
     except BaseException:
         tracker.flush(patience_s=0)  # what the finished epochs logged is kept even on failure
         raise
@@ -96,6 +104,18 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         mlflow_unsent=unsent,
         test_dir=Path(predicted.out) if predicted else None,
     )
+
+
+@contextlib.contextmanager
+def checkpoints_in_bucket(job: TrainJob, resume: bool, logger) -> Iterator[None]:
+    """With a remote root, one machine's checkpoints go to the bucket too: the flow run
+    retried on another machine resumes from them (its disk may be gone with the first)."""
+    remote = remote_root()
+    if remote is None:
+        yield
+        return
+    with checkpoints_through(remote, job, resume, logger):
+        yield
 
 
 def warm_imports(model_name: str) -> None:
@@ -183,4 +203,23 @@ def train_model(split: SplitResult, training: TrainingSpec, output_dir: Path,
     best = result.best_metrics  # its every figure was on that epoch's line
     logger.info("kept epoch %d of %d (%s): val_accuracy=%.4g val_loss=%.4g", result.best_epoch,
                 len(result.history), result.how_chosen(), best.val_accuracy, best.val_loss)
+    if (remote := remote_root()) is not None:
+        logger.info("best weights in %s: %s", remote, publish_run_outputs(remote, output_dir))
     return result
+
+
+@task
+def bring_outputs_here(trained: TrainResult) -> None:
+    """With a remote root, a flow run retried on another machine after its training ended finds
+    the train stage's result in the bucket but not its files: fetch the best weights (and the
+    evaluation's files, when it ended too) before a stage reads them. Not cached."""
+    remote = remote_root()
+    if remote is None or trained.weights.exists():
+        return
+    run_dir = trained.job.output_dir.parent
+    fetched = restore_run_outputs(remote, run_dir)
+    if not trained.weights.exists():
+        raise RemoteRootError(f"the best weights of this run are neither at {trained.weights} "
+                              f"nor in {remote}; run the flow again with `force` to train anew")
+    run_logger().info("fetched %s of this run from %s into %s", " and ".join(fetched), remote,
+                      run_dir)
