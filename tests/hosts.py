@@ -52,12 +52,18 @@ class Hosts:
         return [int(p) for p in out.split()]
 
     def start_worker(self, host: int, queue: str, env: dict | None = None,
-                     hidden: list[Path] = ()) -> subprocess.Popen:
-        """A process worker on `host` polling `queue`, with `env` over the hosts' own and
+                     hidden: list[Path] = (), disk: dict[Path, Path] | None = None
+                     ) -> subprocess.Popen:
+        """A process worker on `host` polling `queue`, with `env` over the hosts' own,
         `hidden` folders out of its sight (an empty file system mounted over each in its own
-        mount namespace), as another machine would not see this one's disk."""
-        covers = " && ".join(f"mkdir -p {shlex.quote(str(p))} && mount -t tmpfs hidden "
-                             f"{shlex.quote(str(p))}" for p in hidden)
+        mount namespace), as another machine would not see this one's disk, and `disk`
+        ({path: folder}) each path showing a folder of this host's own, as every machine of a
+        cluster has its own disk at one path."""
+        covers = " && ".join(
+            [f"mkdir -p {shlex.quote(str(p))} && mount -t tmpfs hidden {shlex.quote(str(p))}"
+             for p in hidden]
+            + [f"mkdir -p {shlex.quote(str(at))} && mount --bind {shlex.quote(str(own))} "
+               f"{shlex.quote(str(at))}" for at, own in (disk or {}).items()])
         # A worker polls only queues that exist; "already exists" is fine.
         subprocess.run([str(BIN / "prefect"), "work-queue", "create", queue, "--pool",
                         self.pool], env=self.env, cwd=REPO, capture_output=True, timeout=120)

@@ -36,14 +36,15 @@ def started(command: list[str], url: str, log: Path, env: dict | None = None,
 
 
 @contextlib.contextmanager
-def mlflow_server(folder: Path, port: int | None = None) -> Iterator[str]:
+def mlflow_server(folder: Path, port: int | None = None, host: str = "127.0.0.1"
+                  ) -> Iterator[str]:
     """An MLflow server on `folder`'s store; the same folder and port again is a restart."""
     folder.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
-    command = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+    port = port or free_port(host)
+    command = [str(BIN / "mlflow"), "server", "--host", host, "--port", str(port),
                "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
                "--artifacts-destination", str(folder / "artifacts"), "--workers", "1"]
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     with started(command, f"{url}/health", folder / "mlflow.log"):
         yield url
 

@@ -10,6 +10,7 @@ of its sight, and what they share goes through TRAINFLOW_REMOTE_ROOT on a real S
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import socket
@@ -275,6 +276,7 @@ def test_two_hosts_with_no_shared_folder_train_evaluate_and_register_through_the
     from prefect import get_client
 
     from flows.train_flow import train_flow
+    from runtime.remote import save_result_storage
     from tests.hosts import wait_ready
     from training.storage import tracking_uri
 
@@ -290,6 +292,7 @@ def test_two_hosts_with_no_shared_folder_train_evaluate_and_register_through_the
                         "TRAINFLOW_HOME": str(homes[0]),
                         "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}"}.items():
         monkeypatch.setenv(name, value)
+    save_result_storage()  # as a caller running train_flow in its own process does
     outcome: dict = {}
 
     def run() -> None:
@@ -319,7 +322,7 @@ def test_two_hosts_with_no_shared_folder_train_evaluate_and_register_through_the
         result = outcome["result"]
         with get_client(sync_client=True) as client:
             runs = client.read_flow_runs()
-            logs = client.read_logs()
+            logs = _all_logs(client)
     finally:
         kill_tree(worker)
 
@@ -348,7 +351,8 @@ def test_two_hosts_with_no_shared_folder_train_evaluate_and_register_through_the
     objects = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="team")
                for o in page.get("Contents", [])]
     kinds = Counter(key.split("/")[1] for key in objects)
-    assert kinds["splits"] == 1 and kinds["stores"] % 2 == 0 and kinds["stores"] >= 2, objects
+    assert len({key.split("/")[2] for key in objects if "/splits/" in key}) == 1, objects
+    assert kinds["stores"] % 2 == 0 and kinds["stores"] >= 2, objects
     complete = sorted(key.split("/")[-2] for key in objects
                       if "/checkpoints/" in key and key.endswith("/trainer_state.json"))
     assert complete == ["checkpoint_2", "checkpoint_3"], objects
@@ -358,6 +362,163 @@ def test_two_hosts_with_no_shared_folder_train_evaluate_and_register_through_the
     for key in objects:
         assert secret.encode() not in s3.get_object(Bucket="team", Key=key)["Body"].read(), key
     assert secret not in json.dumps([r.parameters for r in runs], default=str)
-    assert not [line.message for line in logs if secret in line.message]
+    assert not [line for line in logs if secret in line]
     for log in hosts.folder.glob("worker-*.log"):
+        assert secret not in log.read_text(errors="replace"), log
+
+
+def _deploy(hosts, name: str) -> None:
+    from tests.hosts import BIN, REPO
+
+    done = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", name,
+                           "--pool", hosts.pool], cwd=REPO, env=hosts.env, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def _lose(worker: subprocess.Popen) -> None:
+    """SIGKILL a worker and everything under it at once: the machine is gone, nothing on it
+    reports anything."""
+    import psutil
+
+    tree = [psutil.Process(worker.pid), *psutil.Process(worker.pid).children(recursive=True)]
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    worker.wait(timeout=10)
+
+
+def _all_logs(client, flow_run_id=None) -> list[str]:
+    """Every log line (of one flow run), page by page: one read returns 200 at most."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])
+                           if flow_run_id else None)
+    lines: list[str] = []
+    while page := client.read_logs(log_filter=log_filter, offset=len(lines), limit=200,
+                                   sort=LogSort.TIMESTAMP_ASC):
+        lines += [line.message for line in page]
+    return lines
+
+
+def _bucket_keys(s3) -> list[str]:
+    return [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="team")
+            for o in page.get("Contents", [])]
+
+
+def test_a_flow_run_retried_on_the_other_host_resumes_from_the_bucket_and_skips_done_stages(
+        on_hosts, bucket, tmp_path):
+    """train-flow runs on host 0 (machine 0) with host 1 as machine 1; each host has its own
+    disk at one home path. Host 0 is lost mid-training (its worker, the flow process and the
+    ranks SIGKILLed); the run is retried and host 1 takes it as machine 0, host 0 coming back as
+    machine 1. The retry finds the data stages' results in the bucket, fetches their files,
+    resumes from the bucket's checkpoint, and registers once."""
+    from mlflow import MlflowClient
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.deployments import run_deployment
+    from prefect.states import AwaitingRetry
+
+    from tasks.tracking import experiment_name
+    from tests.hosts import wait_ready
+    from tests.servers import mlflow_server
+
+    hosts, (s3, port) = on_hosts, bucket
+    home = tmp_path / "home"  # the path every host's home is at; each sees its own disk there
+    disks = [tmp_path / "disk-0", tmp_path / "disk-1"]
+    for folder in (home, *disks):
+        folder.mkdir()
+    _deploy(hosts, "digits")
+    with mlflow_server(tmp_path / "mlflow", host=hosts.gateway) as tracking:
+        env = {**S3_KEYS, "TRAINFLOW_REMOTE_ROOT": REMOTE_ROOT, "TRAINFLOW_HOME": str(home),
+               "AWS_ENDPOINT_URL_S3": f"http://{hosts.gateway}:{port}",
+               "MLFLOW_TRACKING_URI": tracking}
+
+        def worker(host: int, queue: str) -> subprocess.Popen:
+            return hosts.start_worker(host, queue, env=env, disk={home: disks[host]},
+                                      hidden=[disks[1 - host]])
+
+        workers = [worker(0, "retry-0"), worker(1, "retry-1")]
+        try:
+            wait_ready(hosts, ["retry-0", "retry-1"])
+            run = run_deployment(
+                "train-flow/digits", timeout=0, work_queue_name="retry-0", parameters={
+                    "training": {**TWO_HOSTS, "epochs": 5,
+                                 "node_work_queue": "retry-{machine_rank}"},
+                    "registry": {"model_name": "retried-hosts"}, "force": True})
+            checkpoints = f"trainflow/runs/{run.id}/train/checkpoints/"
+            deadline = time.monotonic() + 400
+            while time.monotonic() < deadline and not any(
+                    k.startswith(checkpoints) and k.endswith("/trainer_state.json")
+                    for k in _bucket_keys(s3)):
+                time.sleep(0.5)
+            assert time.monotonic() < deadline, "no checkpoint reached the bucket"
+            _lose(workers[0])  # mid-training: the flow process, its launch and ranks
+            with get_client(sync_client=True) as client:
+                assert client.read_flow_run(run.id).state.type.value == "RUNNING"
+                # Machine 1's node ends when its peers are gone; host 1 then turns machine 0.
+                kill_tree(workers[1])
+                workers = [worker(1, "retry-0"), worker(0, "retry-1")]
+                wait_ready(hosts, ["retry-0", "retry-1"])
+                client.set_flow_run_state(run.id, AwaitingRetry(), force=True)  # UI's Retry
+                deadline = time.monotonic() + 400
+                while time.monotonic() < deadline and not client.read_flow_run(
+                        run.id).state.is_final():
+                    time.sleep(2)
+                final = client.read_flow_run(run.id)
+                tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(
+                    id=FlowRunFilterId(any_=[run.id])))
+                logs = _all_logs(client, run.id)
+                everything = _all_logs(client)
+                parameters = json.dumps([r.parameters for r in client.read_flow_runs()],
+                                        default=str)
+        finally:
+            for each in workers:
+                kill_tree(each)
+        assert final.state.type.value == "COMPLETED", "\n".join([str(final.state), *logs])
+        assert final.run_count == 2
+
+        # The data stages and the MLflow run were done once: the retry took their results
+        # from the bucket ("Cached") and fetched the dataset and split onto host 1's disk.
+        states: dict[str, list[str]] = {}
+        for task_run in tasks:
+            states.setdefault(task_run.name.rsplit("-", 1)[0], []).append(task_run.state.name)
+        for stage in ("prepare_dataset", "split_dataset", "open_mlflow_run"):
+            assert sorted(states[stage]) == ["Cached", "Completed"], states
+        assert sum(m.startswith("dataset builtin:digits: ") for m in logs) == 1, logs
+        assert any("fetched from s3://team/trainflow into" in m and "dataset" in m
+                   for m in logs), logs
+        assert any(m.startswith("fetched checkpoint(s)") for m in logs), logs
+        client = MlflowClient(tracking)
+        mlflow_runs = client.search_runs(
+            [client.get_experiment_by_name(experiment_name()).experiment_id],
+            f"tags.`trainflow.flow_run_id` = '{run.id}'")
+        assert len(mlflow_runs) == 1 and mlflow_runs[0].info.status == "FINISHED"
+        assert [str(v.version) for v in client.search_model_versions(
+            "name='retried-hosts'")] == ["1"]
+
+    # Host 1 trained as machine 0 from the epoch the checkpoint held: not from scratch.
+    run_folder = disks[1] / "runs" / str(run.id) / "train"
+    events = ProgressReader(run_folder).poll()
+    resumed = [e for e in events if e.event == "resumed" and e.rank == 0]
+    assert resumed and resumed[-1].epoch >= 1, events
+    assert (run_folder / "best.safetensors").exists()
+    # Global ranks follow the machine ranks, whatever order the rendezvous met them in.
+    assert Counter((e.rank, e.address) for e in events if e.event == "start" and e.rank < 2
+                   ) == Counter({(0, hosts.addresses[1]): 1, (1, hosts.addresses[1]): 1})
+
+    # The results in the bucket are JSON, and no object, parameter or log holds the S3 keys.
+    objects = _bucket_keys(s3)
+    results = [k for k in objects if k.startswith("trainflow/results/")]
+    assert results, objects
+    secret = S3_KEYS["AWS_SECRET_ACCESS_KEY"]
+    for key in objects:
+        body = s3.get_object(Bucket="team", Key=key)["Body"].read()
+        assert secret.encode() not in body, key
+        if key in results:
+            json.loads(body)
+    assert secret not in parameters
+    assert not [m for m in everything if secret in m]
+    for log in hosts.folder.glob("worker-retry-*.log"):
         assert secret not in log.read_text(errors="replace"), log

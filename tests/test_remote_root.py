@@ -59,8 +59,11 @@ def test_a_split_goes_up_once_and_is_read_elsewhere_without_its_images(digits_sp
     here = {name: decode_split(split, name, 8, 1) for name in ("train", "test")}
     published = publish_split(remote, split, [8])
     keys = remote.keys(remote.key())
-    # A store is one object and its index, never an object per image.
-    assert len(keys) == 3, keys
+    # A store is one object and its index, never an object per image; the split is its
+    # manifest, ledger, quarantine list and the record naming its stores (written last).
+    assert sorted(k.rsplit("/", 1)[1] for k in keys) == sorted(
+        ["manifest.csv", "ledger.json", "quarantine.json", "split.json", "images.u8",
+         "index.json"]), keys
     assert publish_split(remote, split, [8]) == published
     assert remote.keys(remote.key()) == keys
 
@@ -88,6 +91,80 @@ def test_a_split_goes_up_once_and_is_read_elsewhere_without_its_images(digits_sp
                        "TRAINFLOW_REMOTE_ROOT"):
         fetch_split(remote, split, missing, elsewhere)
     assert not list((elsewhere / "fetched" / ("0" * 64)).rglob("*.csv"))
+
+
+def test_a_machine_without_the_data_stages_files_gets_them_at_the_same_paths(home, remote):
+    """What a flow run retried on another machine does (tasks/data.py bring_data_here): the
+    dataset version and the split come back where the stages put them, byte for byte and with
+    the modification times the decode stores key their rows by, so nothing is decoded again."""
+    from runtime.remote import (
+        RemoteRootError,
+        publish_dataset,
+        publish_split,
+        restore_dataset,
+        restore_split,
+    )
+    from training.config import DatasetSpec, SplitSpec
+    from training.data.cache import decode_split
+    from training.data.sources import prepare
+    from training.data.split import split_dataset
+    from training.data.store import DecodeStore
+
+    ref = prepare(DatasetSpec(source="builtin:digits"), home)
+    split = split_dataset(ref, SplitSpec(), home, sides={"train": 8, "val": 8, "test": 8})
+    assert not restore_dataset(remote, ref) and not restore_split(remote, split)  # here already
+    with pytest.raises(RemoteRootError, match="neither at .* nor in s3://.* `force`"):
+        restore_split(remote, split.model_copy(update={"manifest": home / "gone" / "m.csv"}))
+    publish_dataset(remote, ref)
+    publish_split(remote, split, [8])
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in ref.source_root.rglob("*")
+             if p.is_file()}
+    manifest = split.manifest.read_bytes()
+    decoded_before = {name: decode_split(split, name, 8, 1) for name in ("train", "test")}
+
+    # Another machine: the same home path, nothing in it.
+    for folder in (ref.source_root, split.manifest.parent.parent):
+        os.rename(folder, home / f"away-{folder.name}")
+    assert restore_dataset(remote, ref) and restore_split(remote, split)
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in ref.source_root.rglob("*")
+            if p.is_file()} == files
+    assert split.manifest.read_bytes() == manifest
+    store = DecodeStore(split.manifest.parent.parent, 8)
+    with store.locked(exclusive=False) as index:
+        relpaths = list(index["files"])
+        assert store.pending(index, split.root, relpaths) == []  # no image to decode again
+    for name, before in decoded_before.items():
+        after = decode_split(split, name, 8, 1)
+        assert after.paths == before.paths
+        assert np.array_equal(np.stack([after[i] for i in range(len(after))]),
+                              np.stack([before[i] for i in range(len(before))]))
+
+
+def test_a_finished_training_and_evaluation_come_back_without_checkpoints_or_progress(
+        home, remote):
+    """After training and evaluation ended on one machine, another machine's retry gets their
+    files (the best weights, the predictions) and keeps what it already has."""
+    from runtime.remote import publish_run_outputs, restore_run_outputs
+
+    run = home / "runs" / "1234"
+    files = {"train/best.safetensors": os.urandom(3000), "train/job.json": b"{}",
+             "train/checkpoints/checkpoint_1/model.safetensors": b"big",
+             "train/progress/rank0.jsonl": b"{}", "evaluation/predictions.csv": b"path,label",
+             "evaluation/progress/rank0.jsonl": b"{}"}
+    for name, body in files.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_bytes(body)
+    publish_run_outputs(remote, run / "train")
+    assert restore_run_outputs(remote, run) == ["train"]  # no evaluation published yet
+    publish_run_outputs(remote, run / "evaluation")
+    os.rename(run, home / "away")
+
+    (run / "evaluation").mkdir(parents=True)
+    (run / "evaluation" / "predictions.csv").write_bytes(b"this machine's own")
+    assert restore_run_outputs(remote, run) == ["train", "evaluation"]
+    here = {p.relative_to(run).as_posix(): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert here == {"train/best.safetensors": files["train/best.safetensors"],
+                    "train/job.json": b"{}", "evaluation/predictions.csv": b"this machine's own"}
 
 
 def test_a_machine_keeps_the_newest_fetched_splits_only(tmp_path):
