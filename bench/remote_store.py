@@ -8,6 +8,11 @@ and a 25k image split at 64 px, alternated per repeat: the flow machine's upload
 (`RemoteRoot.download`), through moto's S3 server on this machine's loopback. Wall seconds,
 medians, and MB/s. The 1.28M-image ImageNet row at 224 px is computed from the measured rate
 and, for a real object store, from 1 GB/s.
+
+A flow run retried on another machine also fetches the dataset version (one archive with its
+files' modification times, `publish_folder`/`restore_folder`): the same alternation for the
+built-in digits (1,797 PNGs) and ../shared/data/flowers-128 (4,317 JPEG photos) copied into a
+version folder, when that folder is there.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ def main() -> None:
                     remote.download(key, Path(tmp) / "fetched" / name)
                     down[name].append(time.perf_counter() - started)
                     remote.delete([key])
+        folders_table(remote, args.repeats)
+        print()
         print("| store | MB | upload s | download s | download MB/s |")
         print("|---|---|---|---|---|")
         rate = 0.0
@@ -71,6 +78,42 @@ def main() -> None:
               f"{IMAGENET / rate:,.0f} at this rate; {IMAGENET / 1e9:,.0f} at 1 GB/s | |")
     finally:
         server.kill()
+
+
+def folders_table(remote, repeats: int) -> None:
+    """Dataset version folders: their archive's upload, and another machine's fetch."""
+    import shutil
+
+    from runtime.remote import publish_folder, restore_folder
+    from training.data.sources import write_digits
+
+    photos = Path(__file__).resolve().parents[2] / "shared" / "data" / "flowers-128"
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = {"digits (1,797 PNGs)": write_digits(Path(tmp) / "digits")}
+        if photos.is_dir():
+            folders["flowers-128 (4,317 photos)"] = Path(shutil.copytree(
+                photos, Path(tmp) / "flowers", ignore=shutil.ignore_patterns("*.txt")))
+        up: dict[str, list[float]] = {name: [] for name in folders}
+        down: dict[str, list[float]] = {name: [] for name in folders}
+        archive_mb: dict[str, float] = {}
+        for repeat in range(repeats):
+            for name, folder in folders.items():
+                key = remote.key("datasets", f"{repeat}-{folder.name}.tar")
+                started = time.perf_counter()
+                publish_folder(remote, folder, key)
+                up[name].append(time.perf_counter() - started)
+                elsewhere = Path(tmp) / "elsewhere" / f"{repeat}-{folder.name}"
+                started = time.perf_counter()
+                restore_folder(remote, key, elsewhere)
+                down[name].append(time.perf_counter() - started)
+                archive_mb[name] = remote.client.head_object(
+                    Bucket=remote.bucket, Key=key)["ContentLength"] / 1e6
+                remote.delete([key])
+        print("| dataset version folder | archive MB | publish s | fetch s |")
+        print("|---|---|---|---|")
+        for name in folders:
+            print(f"| {name} | {archive_mb[name]:.1f} | {statistics.median(up[name]):.2f} | "
+                  f"{statistics.median(down[name]):.2f} |")
 
 
 if __name__ == "__main__":

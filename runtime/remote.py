@@ -20,6 +20,8 @@ Only Prefect-side processes use it: training ranks hold no credentials.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import logging
@@ -31,7 +33,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -294,8 +295,13 @@ def save_result_storage() -> dict:
     remote = remote_root()  # a malformed URL is named here, before the run starts
     from prefect_aws import AwsCredentials, S3Bucket
 
+    name = slug.split("/", 1)[1]
+    with contextlib.suppress(ValueError):  # not saved yet
+        saved = S3Bucket.load(name)
+        if (saved.bucket_name, saved.bucket_folder) == (remote.bucket, remote.key(RESULTS)):
+            return {"result_storage": slug}  # as every run after the first finds it
     S3Bucket(bucket_name=remote.bucket, bucket_folder=remote.key(RESULTS),
-             credentials=AwsCredentials()).save(slug.split("/", 1)[1], overwrite=True)
+             credentials=AwsCredentials()).save(name, overwrite=True)
     return {"result_storage": slug}
 
 
@@ -432,7 +438,7 @@ def run_prefix(job: TrainJob) -> str:
         return f"runs/{job.output_dir.parent.name}/{job.output_dir.name}"
 
 
-@contextmanager
+@contextlib.contextmanager
 def checkpoints_through(remote: RemoteRoot, job: TrainJob, resume: bool,
                         logger: logging.Logger | logging.LoggerAdapter
                         ) -> Iterator[CheckpointUploader]:
@@ -513,7 +519,11 @@ class CheckpointUploader:
         self.seconds = 0.0
         self.bytes = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="checkpoint-upload", daemon=True)
+        # In this task's context: its log lines go to the run's server (a thread without it
+        # would start a temporary Prefect server of its own, seconds of CPU, to log to).
+        self._thread = threading.Thread(target=contextvars.copy_context().run,
+                                        args=(self._run,), name="checkpoint-upload",
+                                        daemon=True)
 
     def __enter__(self) -> CheckpointUploader:
         self._thread.start()
