@@ -44,7 +44,7 @@ from runtime.credentials import use_secret_blocks
 from trainflow_serving.images import Geometry, as_geometry
 from training.data.sources import DatasetRef
 from training.data.store import DecodeStore
-from training.engine.checkpoint import KEEP_CHECKPOINTS, STATE_FILE
+from training.engine.checkpoint_files import KEEP_CHECKPOINTS, STATE_FILE
 from training.handoff import SplitResult, TrainJob
 from training.storage import file_lock, home
 

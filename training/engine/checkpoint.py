@@ -20,13 +20,11 @@ from accelerate.utils import ProjectConfiguration
 from safetensors.torch import save_model
 from torch import nn
 
+from training.engine.checkpoint_files import KEEP_CHECKPOINTS, STATE_FILE
 from training.engine.preemption import EpochSoFar
 from training.engine.progress import Rank
 from training.handoff import TrainJob
 from training.storage import atomic_path, write_json_atomic
-
-KEEP_CHECKPOINTS = 2
-STATE_FILE = "trainer_state.json"
 
 
 def project_configuration(output_dir: Path) -> ProjectConfiguration:
