@@ -58,6 +58,11 @@ def test_kubernetes_deployments_run_the_image_they_build():
     for deployment in spec["deployments"]:
         assert deployment["work_pool"]["job_variables"]["image"] == "{{ build-image.image }}"
         assert (REPO / deployment["entrypoint"].split(":")[0]).is_file()
-    [pull] = spec["pull"]
+    [pull, results] = spec["pull"]
     workdir = [arg for op, arg in _instructions() if op == "WORKDIR"]
     assert pull["prefect.deployments.steps.set_working_directory"]["directory"] == workdir[-1]
+    # The step that saves the results block for a remote root is the project's own code.
+    [(step, inputs)] = results.items()
+    from prefect.utilities.importtools import import_object
+
+    assert callable(import_object(step)) and inputs == {}
