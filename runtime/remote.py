@@ -199,13 +199,16 @@ def publish_split(remote: RemoteRoot, split: SplitResult,
                 remote.put(body, remote.key("stores", sha, "index.json"))  # last: complete
         stores[geometry.name] = sha
     published = RemoteSplit(manifest_sha256=split.manifest_sha256, stores=stores)
+    record = published.model_dump_json().encode()
+    record_key = remote.key("splits", split.manifest_sha256, SPLIT_RECORD)
+    if remote.exists(record_key) and remote.client.get_object(
+            Bucket=remote.bucket, Key=record_key)["Body"].read() == record:
+        return published  # the split stage published it; the train task finds it there
     folder = split.manifest.parent.parent
     for path in (folder / LEDGER, split.manifest.parent / QUARANTINE):
         if path.exists():
             remote.upload(path, remote.key("splits", split.manifest_sha256, path.name))
-    # Last: a machine that finds the record finds everything it names.
-    remote.put(published.model_dump_json().encode(),
-               remote.key("splits", split.manifest_sha256, SPLIT_RECORD))
+    remote.put(record, record_key)  # last: a machine that finds it finds everything it names
     return published
 
 
@@ -460,7 +463,8 @@ def checkpoints_through(remote: RemoteRoot, job: TrainJob, resume: bool,
     logger.info("%d checkpoint(s) uploaded, %.0f MB in %.1f s in the background",
                 len(uploads.uploaded), uploads.bytes / 1e6, uploads.seconds)
 
-# --- checkpoint transfers -----------------------------------------------------------------------------
+
+# --- checkpoint transfers --------------------------------------------------------------------
 
 def _number(name: str) -> int:
     match = re.search(r"checkpoint_(\d+)$", name)

@@ -283,10 +283,13 @@ def check_machines(training: TrainingSpec) -> None:
     """A worker ready for every machine's node, before the dataset is even downloaded."""
     from prefect import get_client
 
-    remote = check_remote()
+    from runtime.remote import REMOTE_ROOT
+
+    # The bucket itself is checked once, by check_remote; with one, machine 0 is the flow's.
+    machine_0_here = bool(os.environ.get(REMOTE_ROOT, "").strip())
     with get_client(sync_client=True) as client:
         try:
-            check_workers(client, training, first=1 if remote is not None else 0)
+            check_workers(client, training, first=1 if machine_0_here else 0)
         except NodesUnavailable as e:
             raise PreflightError(str(e)) from None
 
