@@ -61,7 +61,7 @@ def sweep_flow(
     sweep = SweepSpec(search_space=search_space, n_trials=n_trials,
                       max_concurrency=max_concurrency, budget_s=budget_s,
                       pruning_warmup_epochs=pruning_warmup_epochs)
-    check_before_start(dataset, training)
+    training = check_before_start(dataset, training)
     source = prepare_dataset(dataset)
     data = split_dataset(source, split, split_sides(training))
     run_id = open_mlflow_run(lineage_tags(dataset, split, training, registry, source, data), data,

@@ -64,7 +64,7 @@ def train_flow(
     specs = resolve_parameters({"dataset": dataset, "split": split, "training": training,
                                 "registry": registry})
     dataset, split, training, registry = (specs[k] for k in BLOCKS)
-    check_before_start(dataset, training)
+    training = check_before_start(dataset, training)
     source = prepare_dataset(dataset)
     data = split_dataset(source, split, split_sides(training))
     bring_data_here(source, data)  # a retry on another machine: the files of the stages above
@@ -76,7 +76,8 @@ def train_flow(
     champion_scored = score_champion_early.submit(data, training, registry)
     with failing_with_the_flow(run_id):
         run_dir = home() / "runs" / str(flow_run.get_id())
-        trained = train_model(data, training, run_dir / "train", run_id, tracking_uri())
+        trained = train_model(data, training, run_dir / "train", run_id, tracking_uri(),
+                              registry.metric)
         bring_outputs_here(trained)  # a retry on another machine: the weights, the evaluation
         evaluation = evaluate_model(trained, run_id)
         champion_scored.wait()  # the gate finds its predictions in its cache

@@ -7,6 +7,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefect import task
 from prefect.client.schemas.objects import WorkQueueStatus
@@ -16,11 +17,15 @@ from runtime.credentials import MissingSecretBlock, use_secret_blocks
 from runtime.launcher import LaunchFailed
 from runtime.mlflow_logging import fail_fast_http
 from tasks import run_logger
+from trainflow_serving.model_names import network_library
 from training.config import DatasetSpec, TrainingSpec
 from training.data.kaggle import MISSING_CREDENTIALS, find_credentials
 from training.data.sources import check_source
 from training.hardware import gpu_driver_present
 from training.storage import home, redacted, tracking_uri
+
+if TYPE_CHECKING:  # the flows load without torch
+    from training.models.arrival import Resolved
 
 
 class PreflightError(RuntimeError):
@@ -158,10 +163,14 @@ def local_gpus() -> list[Gpu]:
             for i, name in enumerate(names)]
 
 
-def check_training(training: TrainingSpec, gpus: list[Gpu] | None = None) -> None:
-    """Process counts and precision against this machine (`gpus`: what CUDA reports)."""
+def check_training(training: TrainingSpec, gpus: list[Gpu] | None = None) -> Resolved:
+    """Process counts and precision against this machine (`gpus`: what CUDA reports), and the
+    network as it arrives: the spec it makes (a user network that loads its own weights is a
+    fine-tune) with the size its forward pass takes."""
     if importlib.util.find_spec("accelerate") is None:
         raise PreflightError("accelerate is not installed in this environment: run make install")
+    resolved = network_as_it_arrives(training)
+    training = resolved.training
     gpus = local_gpus() if gpus is None else gpus
     wanted = training.resolved_num_processes(len(gpus))
     if gpus and wanted > len(gpus) and not training.accelerate_config_file:
@@ -192,18 +201,8 @@ def check_training(training: TrainingSpec, gpus: list[Gpu] | None = None) -> Non
                              'SyncBatchNorm); on this machine use "frozen", "train" or "auto"')
     if training.num_machines > 1:
         check_machines(training)
-    if ":" in training.model:
-        from trainflow_serving.networks import UserModelError, build_network
-
-        try:
-            network = build_network(training.model, num_classes=2, channels=3, image_size=32)
-        except UserModelError as e:
-            raise PreflightError(str(e)) from None
-        check_head(network, training.head)
-    elif training.head:
-        from trainflow_serving.networks import build_network
-
-        check_head(build_network(training.model, 2, 3, training.image_size), training.head)
+    if resolved.network is not None and (training.head or ":" in training.model):
+        check_head(resolved.network, training.head)
     if training.weights and not Path(training.weights).is_file():
         raise PreflightError(f"training.weights {training.weights} does not exist on this "
                              "machine; give the path of a safetensors or state-dict file")
@@ -215,10 +214,23 @@ def check_training(training: TrainingSpec, gpus: list[Gpu] | None = None) -> Non
                 timm_pretrained(training.model, num_classes=2)
             except FileNotFoundError as e:
                 raise PreflightError(str(e)) from None
-        elif not (path := pretrained_weights_file(training.model)).is_file():
+        elif (network_library(training.model) == "torchvision"
+              and not (path := pretrained_weights_file(training.model)).is_file()):
             raise PreflightError(f"pretrained weights for {training.model} are not in the torch "
                                  f"cache: expected {path}; copy them there or set "
                                  "training.pretrained=false")
+    return resolved
+
+
+def network_as_it_arrives(training: TrainingSpec) -> Resolved:
+    """training.models.arrival.as_it_arrives, its refusals (a network that cannot be built, a
+    size it cannot take) as preflight errors."""
+    from training.models.arrival import as_it_arrives
+
+    try:
+        return as_it_arrives(training)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
 
 
 def check_head(network, head: str | None) -> None:
@@ -295,11 +307,17 @@ def check_machines(training: TrainingSpec) -> None:
 
 
 @task
-def check_before_start(dataset: DatasetSpec, training: TrainingSpec) -> None:
-    """Fail in seconds, with one clear message, on what would otherwise fail late."""
+def check_before_start(dataset: DatasetSpec, training: TrainingSpec) -> TrainingSpec:
+    """Fail in seconds, with one clear message, on what would otherwise fail late; the training
+    spec as its network arrives (a user network that loads its own weights is a fine-tune)."""
     check_mlflow()
     check_remote()
     check_dataset(dataset)
-    check_training(training)
-    run_logger().info("preflight passed: MLflow at %s, dataset %s, %s processes",
-                          redacted(tracking_uri()), dataset.source, training.resolved_num_processes())
+    resolved = check_training(training)
+    logger = run_logger()
+    for note in resolved.notes:
+        logger.info("%s", note)
+    logger.info("preflight passed: MLflow at %s, dataset %s, %s processes",
+                redacted(tracking_uri()), dataset.source,
+                resolved.training.resolved_num_processes())
+    return resolved.training

@@ -301,7 +301,10 @@ class TrainingSpec(Spec):
     )
     pretrained: Annotated[bool, Role.RECIPE] = Field(
         False, description="Start from the model's published weights: torchvision's from the "
-        "torch cache, timm's from the Hugging Face cache (a local file: training.weights).")
+        "torch cache, timm's from the Hugging Face cache (a local file: training.weights). For "
+        "your own \"<module>:<callable>\": the callable returns pretrained weights; unset, the "
+        "preflight finds that out (two builds under two seeds come out identical) and says so. "
+        "Either way the fine-tuning defaults follow.")
     weights: Annotated[str | None, Role.RECIPE] = Field(
         None, description="A weights file to start from, for any model: safetensors, or a "
         "state dict saved with torch.save (read without unpickling code). The head is new "
@@ -310,7 +313,9 @@ class TrainingSpec(Spec):
     image_size: Annotated[int, Role.RECIPE] = Field(
         default_factory=recipe_default("image_size"), ge=8, le=1024,
         description="Square input size in pixels. Default: 224 with pretrained weights or a "
-        "weights file (the ImageNet habit), else 28.")
+        "weights file (the ImageNet habit; a pretrained network of your own that declares "
+        "pretrained_cfg[\"input_size\"] gets that), else 28. The preflight passes one image of "
+        "this size through the network and names the smallest it takes when it cannot.")
     fit: Annotated[Literal["crop", "squash"], Role.RECIPE] = Field(
         default_factory=recipe_default("fit"),
         description="How an image becomes a square. crop: its aspect kept, the shorter side "
@@ -417,10 +422,12 @@ class TrainingSpec(Spec):
         "timm's get_classifier(), else the last nn.Linear of the network.")
     choose_epoch: Annotated[Literal["auto", "val_loss", "val_accuracy", "last"],
                             Role.RECIPE] = Field(
-        "auto", description="Which epoch's weights are kept. val_loss: the lowest validation "
-        "loss (steadier than accuracy on a few hundred images); val_accuracy: the highest "
-        "accuracy, ties by loss; last: the last epoch. auto: val_loss, or last when the val "
-        "split has fewer than choose_min_val_images images, where either is noise.")
+        "auto", description="Which epoch's weights are kept. auto: the best on the val figure "
+        "of the metric the gate compares (registry.metric), and of epochs within the val "
+        "split's binomial noise of each other the one with the lower val loss; the last epoch "
+        "when the val split has fewer than choose_min_val_images images, where any choice is "
+        "noise. val_loss: the lowest validation loss; val_accuracy: the highest accuracy, "
+        "exact ties by loss; last: the last epoch.")
     choose_min_val_images: Annotated[int, Role.RECIPE] = Field(
         100, ge=0, description="With choose_epoch auto: the smallest val split the epoch is "
         "chosen on; below it the last epoch is kept, and the run says why.")
@@ -525,10 +532,6 @@ class TrainingSpec(Spec):
         if self.pretrained and self.weights:
             raise ValueError("give training.pretrained=true (torchvision's weights) or "
                              "training.weights (a file), not both")
-        if self.pretrained and ":" in self.model and not self.model.startswith("timm:"):
-            raise ValueError(f"training.pretrained loads torchvision's weights, which "
-                             f"{self.model} has none of: give training.weights, or load the "
-                             "weights in your callable")
         if self.freeze_epochs and not self.starts_from_weights:
             raise ValueError("training.freeze_epochs trains a new head on pretrained weights: "
                              "set training.pretrained=true or training.weights, or "

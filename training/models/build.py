@@ -79,7 +79,7 @@ def pretrained_weights_file(model_name: str) -> Path:
 
 def build_model(model_name: str, num_classes: int, channels: int, image_size: int,
                 pretrained: bool = False, head: str | None = None) -> nn.Module:
-    if not pretrained:
+    if not pretrained or is_user_model(model_name):  # a user's callable loads its own weights
         return build_network(model_name, num_classes, channels, image_size)
     if model_name == "basicnet":
         raise ValueError("basicnet has no pretrained weights; set training.pretrained=false")
