@@ -13,6 +13,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from runtime.launcher import launch
 from runtime.mlflow_logging import EpochLogger
+from runtime.progress_display import LaunchProgress
 from runtime.remote import (
     RemoteRootError,
     checkpoints_through,
@@ -41,8 +42,8 @@ SYSTEM_METRICS_INTERVAL_S = 2
 
 def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda event: None,
                  extra_env: dict[str, str] | None = None, mlflow_run_id: str | None = None,
-                 tracking_uri: str | None = None, evaluate_into: Path | None = None
-                 ) -> TrainResult:
+                 tracking_uri: str | None = None, evaluate_into: Path | None = None,
+                 on_progress=lambda share: None) -> TrainResult:
     """Launch training for `job` and return what it produced. Usable without Prefect on one
     machine; on several (tasks/nodes.py) each machine's launch is a Prefect flow run.
 
@@ -56,8 +57,11 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
     if evaluate_into is not None:
         args += ["--evaluate-into", str(evaluate_into)]
 
+    progress = LaunchProgress(logger, job.training.epochs, on_fraction=on_progress)
+
     def on_event(event: Event) -> None:
         main = event.rank == 0
+        progress.on_event(event)
         if isinstance(event, Params) and main:
             tracker.log_params(event.params)
         elif isinstance(event, EpochEnded) and main:
@@ -87,6 +91,8 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
     except BaseException:
         tracker.flush(patience_s=0)  # what the finished epochs logged is kept even on failure
         raise
+    finally:
+        progress.close()
     unsent = tracker.flush()
     result = last_from_rank_0(events, Trained)
     if result is None:
@@ -185,16 +191,18 @@ def system_metrics(run_id: str | None, tracking_uri: str | None, logger) -> Iter
 
 @task(retries=1, retry_delay_seconds=2, task_run_name="train-{training.model}", **RESUMABLE)
 def train_model(split: SplitResult, training: TrainingSpec, output_dir: Path,
-                mlflow_run_id: str | None, tracking_uri: str | None) -> TrainResult:
-    """Train under `accelerate launch`; a retry resumes from the last saved epoch."""
+                mlflow_run_id: str | None, tracking_uri: str | None,
+                metric: str = "accuracy") -> TrainResult:
+    """Train under `accelerate launch`, keeping the epoch best on the gate's `metric`; a retry
+    resumes from the last saved epoch."""
     logger = run_logger()
-    job = TrainJob(split=split, training=training, output_dir=output_dir)
+    job = TrainJob(split=split, training=training, output_dir=output_dir, metric=metric)
     artifact_id = create_progress_artifact(progress=0.0, description="training epochs")
 
-    def on_epoch(event: EpochEnded) -> None:
-        update_progress_artifact(artifact_id, progress=100.0 * event.epoch / event.epochs)
+    def on_progress(share: float) -> None:
+        update_progress_artifact(artifact_id, progress=100.0 * share)
 
-    result = run_training(job, logger, resume=True, on_epoch=on_epoch,
+    result = run_training(job, logger, resume=True, on_progress=on_progress,
                           mlflow_run_id=mlflow_run_id, tracking_uri=tracking_uri,
                           evaluate_into=evaluation_dir(job))
     if result.mlflow_unsent:

@@ -75,7 +75,8 @@ def predict_split(job: TrainJob, weights: Path, accelerator: Accelerator, progre
         outputs.append(logits.cpu())
         indices.append(index.cpu())
         if step % 10 == 0:
-            progress.emit(Heartbeat, phase=f"evaluate {split}", step=step)
+            progress.emit(Heartbeat, phase=f"evaluate {split}", step=step, total=len(loader),
+                          images=len(batch))
     logits = torch.cat(outputs)[torch.cat(indices).argsort()]
     if len(logits) != len(labels):
         raise RuntimeError(f"evaluated {len(logits)} images, the {split} split has {len(labels)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -70,6 +71,9 @@ class TrainJob(Spec):
     split: SplitResult = Field(description="The split stage's result: manifest and summary.")
     training: TrainingSpec = TrainingSpec()
     output_dir: Path = Field(description="Checkpoints, weights and progress events go here.")
+    metric: Literal["accuracy", "macro_f1", "roc_auc"] = Field(
+        "accuracy", description="The test metric the gate compares (registry.metric): with "
+        "training.choose_epoch auto, the epoch kept is the best on its val figure.")
 
     @property
     def manifest(self) -> Path:
@@ -122,14 +126,16 @@ class TrainResult(BaseModel):
     history: list[EpochMetrics]
     world_size: int
     chosen_by: str = "val_accuracy"
-    """How the kept epoch was chosen: "val_loss", "val_accuracy" or "last"."""
+    """How the kept epoch was chosen: a rule of training.engine.checkpoint.better."""
 
     def how_chosen(self) -> str:
         """The kept epoch's choice, as the log, the summary and the description say it."""
         if self.chosen_by == "last":
             return (f"the last: the val split's {self.job.split.size('val')} images are too few "
                     "to choose on (training.choose_min_val_images)")
-        return f"by {self.chosen_by.replace('_', ' ')}"
+        figure, ties, by = self.chosen_by.partition("~")
+        within = f"; within the val split's noise, by {by.replace('_', ' ')}" if ties else ""
+        return f"by {figure.replace('_', ' ')}{within}"
     mlflow_unsent: int = 0
     test_dir: Path | None = None
     """Set when the launch also predicted the test split with the best weights (its ranks were

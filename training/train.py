@@ -38,7 +38,12 @@ from training.config import PER_MACHINE, TrainingSpec
 from training.data.augment import augmentation
 from training.data.cache import CachedImages, decode_split
 from training.data.sides import split_sides
-from training.engine.checkpoint import Checkpointer, TrainerState, project_configuration
+from training.engine.checkpoint import (
+    TIES_BY,
+    Checkpointer,
+    TrainerState,
+    project_configuration,
+)
 from training.engine.events import (
     EarlyStopped,
     EpochEnded,
@@ -102,7 +107,7 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
     if state.epoch or so_far:  # mid-epoch, the restored schedule is exactly where it stopped
         progress.emit(Resumed, checkpoint=str(checkpoints.latest()), epoch=state.epoch,
                       batches=so_far.batches if so_far else 0)
-    choice = epoch_choice(spec, len(val_loader.dataset))
+    choice = epoch_choice(job, len(val_loader.dataset))
     state.chosen_by = choice.by
     report_params(job, accelerator, rank, progress, train_loader, val_loader,
                   {"batchnorm_used": batchnorm, "epoch_chosen_by": choice.by})
@@ -180,19 +185,24 @@ FROZEN_BELOW = 32
 @dataclass(frozen=True)
 class EpochChoice:
     by: str
-    """"val_loss", "val_accuracy" or "last"."""
+    """A rule of training.engine.checkpoint.better."""
     why: str = ""
 
 
-def epoch_choice(spec: TrainingSpec, val_images: int) -> EpochChoice:
-    """How the kept epoch is chosen, and why when it is the last one for want of images."""
+def epoch_choice(job: TrainJob, val_images: int) -> EpochChoice:
+    """How the kept epoch is chosen, and why when it is the last one for want of images.
+
+    auto: on the val figure of the metric the gate compares (job.metric), where the gate would
+    choose; two epochs within the val split's noise of each other by the lower val loss, which
+    is steadier than a few hundred images' accuracy (bench/RESULTS.md, "The kept epoch")."""
+    spec = job.training
     if spec.choose_epoch != "auto":
         return EpochChoice(spec.choose_epoch)
     if val_images < spec.choose_min_val_images:
         return EpochChoice("last", f"keeping the last epoch, not the best on validation: the "
                            f"val split has {val_images} images, under choose_min_val_images "
                            f"{spec.choose_min_val_images}, where choosing is noise")
-    return EpochChoice("val_loss")
+    return EpochChoice(f"val_{job.metric}{TIES_BY}val_loss")
 
 
 def make_model(job: TrainJob, batchnorm: str = "train") -> torch.nn.Module:

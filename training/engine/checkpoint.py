@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -57,7 +58,7 @@ class TrainerState:
     interrupted: dict | None = None
     """The next epoch's part done before a preemption (training.engine.preemption.EpochSoFar)."""
     chosen_by: str = "val_accuracy"
-    """How the kept epoch is chosen: "val_loss", "val_accuracy" or "last"."""
+    """How the kept epoch is chosen: a rule of `better`."""
 
     def record(self, epoch: int, metrics: dict) -> bool:
         """Add an epoch's metrics; True when it is the one to keep so far."""
@@ -69,14 +70,32 @@ class TrainerState:
         return False
 
 
+TIES_BY = "~"
+"""In a rule "val_<figure>~val_loss": the figure decides, and where two epochs' figures differ
+by no more than the val split's binomial noise, the lower val loss does."""
+
+
 def better(metrics: dict, best: dict, by: str = "val_accuracy") -> bool:
     """By "val_loss": lower loss wins. By "val_accuracy": higher accuracy, on a tie lower loss.
-    By "last": the newer epoch."""
+    By "val_<figure>~val_loss": a higher figure beyond the noise of the val split, within it
+    the lower loss (`noise`). By "last": the newer epoch."""
     if by == "last":
         return True
-    if by == "val_accuracy" and metrics["val_accuracy"] != best["val_accuracy"]:
-        return metrics["val_accuracy"] > best["val_accuracy"]
+    if TIES_BY in by:
+        figure = by.partition(TIES_BY)[0]
+        gain = metrics[figure] - best[figure]
+        if abs(gain) > noise(best[figure], metrics["val_images"]):
+            return gain > 0
+        return metrics["val_loss"] < best["val_loss"]
+    if by != "val_loss" and metrics[by] != best[by]:
+        return metrics[by] > best[by]
     return metrics["val_loss"] < best["val_loss"]
+
+
+def noise(share: float, images: int) -> float:
+    """One binomial standard error of a share measured on `images` images, at least one image:
+    the difference two epochs' val figures can show by the luck of the split alone."""
+    return max(math.sqrt(max(share * (1 - share), 0.0) / max(images, 1)), 1 / max(images, 1))
 
 
 class Checkpointer:

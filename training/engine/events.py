@@ -34,6 +34,9 @@ class EpochMetrics(Payload):
     val_loss: float
     val_accuracy: float
     val_images: int
+    val_macro_f1: float | None = None
+    val_roc_auc: float | None = None
+    """two classes only"""
     epoch_seconds: float
     images_per_second: float
     learning_rate: float
@@ -41,7 +44,7 @@ class EpochMetrics(Payload):
 
     def figures(self) -> dict[str, float]:
         """What is logged for the epoch (MLflow metrics, the log line): all but its number."""
-        return self.model_dump(exclude={"epoch"})
+        return self.model_dump(exclude={"epoch"}, exclude_none=True)
 
 
 class ClassFigures(Payload):
@@ -89,6 +92,9 @@ class Heartbeat(Event):
     epoch: int | None = None
     step: int | None = None
     total: int | None = None
+    """Steps in the phase on this rank, where known."""
+    images: int | None = None
+    """Images in each of this rank's steps (the batch), where they are images."""
 
 
 class Params(Event):

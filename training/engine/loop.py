@@ -73,6 +73,7 @@ def train_one_epoch(learner: Learner, loader, epoch: int, so_far: EpochSoFar | N
     learner.set_modes()
     totals = torch.zeros(3, device=accelerator.device)  # loss sum, correct, images
     done = so_far.batches if so_far else 0
+    batches = len(loader)
     if done:
         if learner.rank.main:  # the sums over every rank so far, counted once
             totals += torch.tensor(so_far.sums, device=accelerator.device)
@@ -107,7 +108,8 @@ def train_one_epoch(learner: Learner, loader, epoch: int, so_far: EpochSoFar | N
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += labels.numel()
         if step % spec.heartbeat_steps == 0:
-            learner.progress.emit(Heartbeat, phase="train", epoch=epoch, step=step)
+            learner.progress.emit(Heartbeat, phase="train", epoch=epoch, step=step,
+                                  total=batches, images=labels.numel())
         if (notice is not None and accelerator.sync_gradients
                 and learner.scheduler.last_epoch % spec.heartbeat_steps == 0
                 and notice.agreed(accelerator)):
@@ -122,20 +124,27 @@ def train_one_epoch(learner: Learner, loader, epoch: int, so_far: EpochSoFar | N
 
 @torch.no_grad()
 def validate(learner: Learner, loader, epoch: int) -> dict:
+    """The val split's loss and the figures a gate compares (accuracy, macro F1, ROC AUC for
+    two classes), computed as the test split's are."""
+    from training.evaluation.metrics import compute_metrics
+
     accelerator, model = learner.accelerator, learner.model
     model.eval()
-    losses, hits = [], []
+    outputs, targets = [], []
     for step, (images, labels) in enumerate(loader, start=1):
         with accelerator.autocast():
             logits = model(learner.inputs(images))
-        loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
         # gather_for_metrics drops the samples the sampler duplicated to even out the ranks,
         # so each validation image counts exactly once.
-        loss, hit = accelerator.gather_for_metrics((loss, logits.argmax(1) == labels))
-        losses.append(loss)
-        hits.append(hit)
+        logits, labels = accelerator.gather_for_metrics((logits.float(), labels))
+        outputs.append(logits)
+        targets.append(labels)
         if step % 10 == 0:
-            learner.progress.emit(Heartbeat, phase="val", epoch=epoch, step=step)
-    loss, hit = torch.cat(losses), torch.cat(hits)
-    return {"val_loss": loss.mean().item(), "val_accuracy": hit.float().mean().item(),
-            "val_images": len(hit)}
+            learner.progress.emit(Heartbeat, phase="val", epoch=epoch, step=step,
+                                  total=len(loader))
+    logits = torch.cat(outputs).cpu()
+    figures = compute_metrics(logits, torch.cat(targets).cpu(), [str(k) for k in
+                                                                 range(logits.shape[1])])
+    return {"val_loss": figures["loss"], "val_accuracy": figures["accuracy"],
+            "val_macro_f1": figures["macro_f1"], "val_roc_auc": figures.get("roc_auc"),
+            "val_images": figures["images"]}
