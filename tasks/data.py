@@ -5,13 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
-import time
 from collections.abc import Callable, Iterator
 
 from prefect import task
-from rich.progress import Progress
 
+from runtime.progress_display import PhaseProgress
 from runtime.remote import (
     publish_dataset,
     publish_split,
@@ -103,23 +101,18 @@ def bring_data_here(dataset: DatasetRef, split: SplitResult) -> None:
 
 @contextlib.contextmanager
 def decode_progress(logger, every_s: float = 10.0) -> Iterator[Callable[[int, int], None]]:
-    """A progress bar on a terminal, and a log line every `every_s` (a heartbeat in the UI)."""
-    last = [time.monotonic()]
-    bar = Progress(transient=True) if sys.stderr.isatty() else None
-    task_id = None
+    """A progress bar on a terminal, else a log line every `every_s` (a heartbeat in the UI);
+    the last count is always logged."""
+    display = PhaseProgress(logger, every_s=every_s, unit="images")
+    counted = [0, 0]
 
     def on_progress(done: int, total: int) -> None:
-        nonlocal task_id
-        if bar is not None:
-            if task_id is None:
-                task_id = bar.add_task("decoding images", total=total)
-            bar.update(task_id, completed=done, total=total)
-        if done == total or time.monotonic() - last[0] >= every_s:
-            last[0] = time.monotonic()
-            logger.info("decoded %d of %d images", done, total)
+        counted[:] = done, total
+        display.update("decoding images", done, total)
 
-    if bar is None:
+    try:
         yield on_progress
-    else:
-        with bar:
-            yield on_progress
+    finally:
+        display.close()
+        if counted[1]:
+            logger.info("decoded %d of %d images", *counted)

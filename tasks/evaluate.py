@@ -11,6 +11,7 @@ from prefect import task
 from pydantic import BaseModel
 
 from runtime.launcher import launch
+from runtime.progress_display import LaunchProgress
 from runtime.remote import publish_run_outputs, remote_root
 from tasks import MLFLOW_RETRIES, RESUMABLE, run_logger
 from tasks.train import evaluation_dir
@@ -42,8 +43,12 @@ def run_evaluation(trained: TrainResult, out: Path, logger) -> Evaluation:
     else:
         args = ["--job", str(trained.output_dir / "job.json"), "--weights",
                 str(trained.weights), "--out", str(out), "--predictions-only"]
-        events = launch(trained.job.training.on_this_machine(), "training.evaluate", args, out,
-                        logger, on_event=lambda event: None)
+        progress = LaunchProgress(logger)
+        try:
+            events = launch(trained.job.training.on_this_machine(), "training.evaluate", args,
+                            out, logger, on_event=progress.on_event)
+        finally:
+            progress.close()
         if last_from_rank_0(events, Predicted) is None:
             raise RuntimeError("evaluation exited cleanly but rank 0 reported no predictions")
     metrics = TestMetrics.model_validate(summarize(write_results(trained.job, out)))

@@ -15,6 +15,7 @@ from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
 from runtime.launcher import launch
+from runtime.progress_display import LaunchProgress
 from tasks import run_logger
 from tasks.data import credentials_from_secret_block
 from tasks.tracking import experiment_id, experiment_name, fluent_mlflow
@@ -136,11 +137,15 @@ def score_files(model_dir: Path, paths: list[Path], root: Path, out: Path, spec:
     listing = out / "images.txt"
     write_text_atomic(listing, "".join(f"{p}\n" for p in paths))
     started = time.perf_counter()
-    events = launch(spec.on_this_machine(), "training.score",
-                    ["--model", str(model_dir), "--images", str(listing), "--out", str(out)]
-                    + ["--statistics", str(statistics)] * bool(statistics),
-                    out, logger, on_event=lambda event: None, extra_env=extra_env,
-                    one_process=one_process)
+    progress = LaunchProgress(logger)
+    try:
+        events = launch(spec.on_this_machine(), "training.score",
+                        ["--model", str(model_dir), "--images", str(listing), "--out", str(out)]
+                        + ["--statistics", str(statistics)] * bool(statistics),
+                        out, logger, on_event=progress.on_event, extra_env=extra_env,
+                        one_process=one_process)
+    finally:
+        progress.close()
     seconds = time.perf_counter() - started
     done = last_from_rank_0(events, ScoringFinished)
     if done is None or done.scored is None:
