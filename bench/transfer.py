@@ -20,7 +20,10 @@ to minutes).
 
 Ours is measured as a user would run it: `defaults` names only the model, the weights and the
 side (what the product chooses for pretrained weights does the rest); `--ours NAME=JSON` adds
-settings to compare, e.g. `--ours 'adam={"optimizer": "adam", "lr": 0.001}'`.
+settings to compare, e.g. `--ours 'adam={"optimizer": "adam", "lr": 0.001}'`. A setting that
+names a model is the whole of what the user wrote besides the epochs, e.g. a module that loads
+its own weights: `--ours 'own={"model": "mynets:pretrained_lite0"}'` (bench/user_models/).
+Each of ours goes through the preflight's reading of the network, as train-flow does.
 """
 
 from __future__ import annotations
@@ -68,14 +71,21 @@ def write_photos(root: Path, per_class: int) -> None:
 def ours(split, home: Path, epochs: int, weights: str, seed: int, side: int,
          settings: dict) -> tuple[float, float]:
     from tasks.evaluate import run_evaluation
+    from tasks.preflight import check_training
     from tasks.train import run_training
+    from training.config import TrainingSpec
     from training.handoff import TrainJob
 
     out = home / f"ours-{epochs}-{time.monotonic_ns()}"
-    job = TrainJob(split=split, output_dir=out / "train", training={
-        "model": "lite0_net:build", "weights": weights, "image_size": side, "epochs": epochs,
-        "seed": seed, **settings})
+    # A setting that names its own model is all the user wrote (with the epochs and the paired
+    # seed); the others start from the module and weights file of lite0_net.
+    given = ({} if "model" in settings else
+             {"model": "lite0_net:build", "weights": weights, "image_size": side})
+    spec = TrainingSpec(**given, **settings, epochs=epochs, seed=seed)
     started = time.perf_counter()
+    # As train-flow's preflight reads the network: a callable that loads weights is a fine-tune.
+    job = TrainJob(split=split, output_dir=out / "train",
+                   training=check_training(spec, gpus=[]).training)
     result = run_training(job, LOG, resume=False, evaluate_into=out / "evaluation")
     evaluation = run_evaluation(result, out / "evaluation", LOG)
     wall = time.perf_counter() - started

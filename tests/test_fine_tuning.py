@@ -248,7 +248,7 @@ def test_the_head_learns_alone_for_freeze_epochs_then_every_layer_learns(
 def test_the_epoch_is_chosen_on_validation_loss_or_the_last_kept_for_a_small_val_split(
         hymenoptera, bn_nets, tmp_path):
     job, by_loss = _fine_tune(hymenoptera, tmp_path, bn_nets, "by-loss", epochs=3,
-                              choose_min_val_images=1)
+                              choose_epoch="val_loss", choose_min_val_images=1)
     assert by_loss.chosen_by == "val_loss" and _params(job)["epoch_chosen_by"] == "val_loss"
     assert by_loss.best_epoch == min(by_loss.history, key=lambda h: h.val_loss).epoch
     _, small = _fine_tune(hymenoptera, tmp_path, bn_nets, "small-val", epochs=3)
