@@ -149,11 +149,12 @@ def test_the_epoch_is_kept_on_the_gates_metric_with_near_ties_by_val_loss(later,
 def test_a_long_epoch_shows_its_progress_from_the_ranks_heartbeats(digits_split, tmp_path,
                                                                     caplog):
     """The log line every 30 s (here: every heartbeat) and the shares the Prefect progress
-    artifact is given, from a real 2-process launch."""
+    artifact is given, from a real 2-process launch; that launch keeps the epoch on the val
+    figure of the gate's metric, here macro F1."""
     from runtime import progress_display
 
     _, split = digits_split
-    job = TrainJob(split=split, output_dir=tmp_path / "train", training={
+    job = TrainJob(split=split, output_dir=tmp_path / "train", metric="macro_f1", training={
         "epochs": 2, "image_size": 12, "batch_size": 8, "heartbeat_steps": 5})
     shares = []
     logger = logging.getLogger("progress-test")
@@ -163,6 +164,8 @@ def test_a_long_epoch_shows_its_progress_from_the_ranks_heartbeats(digits_split,
         with caplog.at_level(logging.INFO, logger="progress-test"):
             result = run_training(job, logger, resume=False, on_progress=shares.append)
     assert result.world_size == 2
+    assert result.chosen_by == "val_macro_f1~val_loss"
+    assert all(0 < h.val_macro_f1 <= 1 for h in result.history)
     lines = [r.getMessage() for r in caplog.records if "train:" in r.getMessage()]
     batches = -(-split.size("train") // (2 * 8))  # each rank's steps
     assert any(line.startswith("epoch 2/2 train: ") and f" of {batches} steps (" in line

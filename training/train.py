@@ -96,7 +96,7 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
                       Normalize(pre.mean, pre.std).to(accelerator.device), spec, rank, progress,
                       augment=augmentation(spec), batchnorm=batchnorm,
                       freeze_steps=round(spec.freeze_epochs * steps),
-                      backbone=backbone_parameters(optimizer))
+                      backbone=backbone_parameters(optimizer), metric=job.metric)
     checkpoints = Checkpointer(accelerator, rank, job, model)
     notice = PreemptionNotice()  # from here on, a SIGTERM saves before it stops
     state = (checkpoints.resume() if resume else None) or TrainerState()

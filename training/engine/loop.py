@@ -38,6 +38,8 @@ class Learner:
     freeze_steps: int = 0
     """Optimizer steps (from the run's start) during which only the head learns."""
     backbone: list[torch.Tensor] = field(default_factory=list)
+    metric: str = "accuracy"
+    """The metric the gate compares (TrainJob.metric): its val figure is computed each epoch."""
 
     def inputs(self, images: torch.Tensor, train: bool = False) -> torch.Tensor:
         """uint8 batch -> the model's normalised float input, in the chosen memory layout;
@@ -124,10 +126,9 @@ def train_one_epoch(learner: Learner, loader, epoch: int, so_far: EpochSoFar | N
 
 @torch.no_grad()
 def validate(learner: Learner, loader, epoch: int) -> dict:
-    """The val split's loss and the figures a gate compares (accuracy, macro F1, ROC AUC for
-    two classes), computed as the test split's are."""
-    from training.evaluation.metrics import compute_metrics
-
+    """The val split's loss and accuracy, and when the gate compares another metric (macro F1,
+    ROC AUC) that one too, computed as the test split's are (scikit-learn is imported into the
+    ranks only then)."""
     accelerator, model = learner.accelerator, learner.model
     model.eval()
     outputs, targets = [], []
@@ -142,9 +143,13 @@ def validate(learner: Learner, loader, epoch: int) -> dict:
         if step % 10 == 0:
             learner.progress.emit(Heartbeat, phase="val", epoch=epoch, step=step,
                                   total=len(loader))
-    logits = torch.cat(outputs).cpu()
-    figures = compute_metrics(logits, torch.cat(targets).cpu(), [str(k) for k in
-                                                                 range(logits.shape[1])])
-    return {"val_loss": figures["loss"], "val_accuracy": figures["accuracy"],
-            "val_macro_f1": figures["macro_f1"], "val_roc_auc": figures.get("roc_auc"),
-            "val_images": figures["images"]}
+    logits, labels = torch.cat(outputs).cpu(), torch.cat(targets).cpu()
+    figures = {"val_loss": torch.nn.functional.cross_entropy(logits, labels).item(),
+               "val_accuracy": (logits.argmax(1) == labels).float().mean().item(),
+               "val_images": len(labels)}
+    if learner.metric != "accuracy":
+        from training.evaluation.metrics import compute_metrics
+
+        named = compute_metrics(logits, labels, [str(k) for k in range(logits.shape[1])])
+        figures[f"val_{learner.metric}"] = named[learner.metric]
+    return figures
