@@ -195,7 +195,8 @@ def test_train_flow_fine_tunes_a_users_pretrained_network_given_only_model_and_e
     assert (params["pretrained"], params["image_size"], params["fit"], params["optimizer"],
             params["batchnorm_used"]) == ("True", "40", "crop", "adamw", "frozen")
     assert params["epoch_chosen_by"] == "val_accuracy~val_loss"
-    assert result.evaluation.metrics["accuracy"] > 0.5
+    # Its "ImageNet" weights are a random network's: what is checked is how it was trained.
+    assert result.evaluation.images == sum(result.trained.job.split.counts["test"].values())
     flow_run = run.data.tags[FLOW_RUN_ID]
     with get_client(sync_client=True) as client:
         logs = client.read_logs(log_filter=LogFilter(
