@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
-import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -40,7 +40,8 @@ COMPARED_WITH = "trainflow.compared_with_version"
 COMPARED_IMAGES = "trainflow.compared_images"
 MCNEMAR_P_VALUE = "trainflow.mcnemar_p_value"
 DECIDED_AT = "trainflow.decided_at"
-"""When the gate decided (Unix seconds): decisions replay in this order."""
+"""When the gate decided, ISO 8601 in UTC to the microsecond (2026-12-07T18:52:03.123456+00:00,
+as the MLflow UI shows it); decisions replay in this order (`decided_at`)."""
 APPROVAL = "trainflow.approval"
 """auto, or a person's answer: approved / rejected / no answer, with their comment"""
 TEST_METRICS = "trainflow.test_metrics"
@@ -48,6 +49,15 @@ TEST_METRICS = "trainflow.test_metrics"
 
 CARD_MARKER = "\n\n---\n"
 """Between the gate's sentence and the model card in a version's description."""
+
+
+def decided_at(tags: dict[str, str]) -> datetime:
+    """A version's DECIDED_AT, written as ISO 8601 or, by older versions, as Unix seconds."""
+    value = tags[DECIDED_AT]
+    try:
+        return datetime.fromtimestamp(float(value), UTC)
+    except ValueError:
+        return datetime.fromisoformat(value)
 
 
 def correctness(predictions: Path) -> dict[str, int]:
@@ -91,7 +101,8 @@ def record(client: MlflowClient, registration: Registration, approval: str) -> R
     """The decision on the version (tags and description), then the aliases it earned."""
     r = registration
     tags = {PROMOTION: "promoted" if r.promoted else "not promoted", PROMOTION_REASON: r.reason,
-            APPROVAL: approval, DECIDED_AT: repr(time.time())}
+            APPROVAL: approval,
+            DECIDED_AT: datetime.now(UTC).isoformat(timespec="microseconds")}
     if r.champion_version is not None:
         tags[COMPARED_WITH] = r.champion_version
     if r.champion_value is not None:

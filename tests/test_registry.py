@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 from tasks.evaluate import evaluate_model
 from tasks.gate import score_champion_early
 from tasks.lineage import DATASET_FINGERPRINT, FLOW_RUN_ID, MANIFEST_SHA256, metric_tag
-from tasks.register import CHAMPION_VALUE, COMPARED_WITH, PROMOTION, register_model
+from tasks.register import CHAMPION_VALUE, COMPARED_WITH, PROMOTION, decided_at, register_model
 from tasks.train import run_training
 from training.config import RegistrySpec
 from training.data.split import read_manifest
@@ -389,7 +389,7 @@ def test_decisions_released_together_each_face_the_real_champion(models, tmp_pat
         [t.join(300) for t in pair]
     assert len(results) == 8
     decided = sorted(client.search_model_versions(f"name='{NAME}'"),
-                     key=lambda v: float(v.tags["trainflow.decided_at"]))
+                     key=lambda v: decided_at(v.tags))
     champion = None
     for v in decided:
         assert v.tags.get(COMPARED_WITH) == champion, (v.version, v.description)
@@ -413,3 +413,12 @@ def test_the_gates_reason_says_which_rule_held_the_challenger_back():
                             "0.05")
     assert decide(RegistrySpec(min_improvement=0.01), 0.92, champion, 0.01, chance) == (
         True, "beats champion v1 (0.9000)")
+
+
+def test_the_decision_time_reads_as_iso_8601_and_older_unix_seconds_still_read():
+    from datetime import UTC, datetime
+
+    assert decided_at({"trainflow.decided_at": "2026-12-07T18:52:03.123456+00:00"}) == \
+        datetime(2026, 12, 7, 18, 52, 3, 123456, tzinfo=UTC)
+    assert decided_at({"trainflow.decided_at": "1796669523.5"}) == \
+        datetime.fromtimestamp(1796669523.5, UTC)
