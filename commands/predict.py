@@ -1,7 +1,7 @@
 """Classify image files with a registered model (the champion by default).
 
     trainflow predict path/to/cat.1.jpg path/to/dog.7.jpg
-    trainflow predict --model train-flow-model --alias challenger img.png
+    trainflow predict --model flowers --alias challenger img.png
 
 Prints one line per file: path, predicted label, probability (or the reason a file could not
 be read). The model decodes, resizes and normalises the files itself, as in training; for a
@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trainflow predict",
                                      description="Classify image files with a registered model.")
     parser.add_argument("images", nargs="+", type=Path)
-    parser.add_argument("--model", default="train-flow-model", help="registered model name")
+    parser.add_argument("--model", default="digits", help="registered model name: the "
+                        "dataset's (a folder's name, a competition's slug) unless the run "
+                        "named one; default: digits, the demo's")
     parser.add_argument("--alias", default="champion")
     args = parser.parse_args(argv)
     missing = [str(p) for p in args.images if not p.is_file()]

@@ -3,7 +3,7 @@
     python -m flows.predict_flow '{"images": "path/to/folder"}'
     prefect deployment run predict-flow/champion --param images=path/to/folder
 
-From Python: `predict_flow(images="path/to/folder", model_name="train-flow-model")`. Writes
+From Python: `predict_flow(images="path/to/folder", model_name="flowers")`. Writes
 predictions.csv (path, label, probability, one column per class, error) and, for
 dogs-vs-cats-redux, a Kaggle submission.csv; both go to an MLflow run of the predict-flow
 experiment and the first rows to a Prefect table artifact. Each batch is compared with the
@@ -31,7 +31,7 @@ from training.storage import home
 
 
 @flow(name="predict-flow", log_prints=True)
-def predict_flow(images: str, model_name: str = "train-flow-model", alias: str = "champion",
+def predict_flow(images: str, model_name: str = "digits", alias: str = "champion",
                  subdir: str | None = None,
                  num_processes: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto",
                  drift: DriftSpec = DriftSpec(),  # noqa: B008  (frozen: a safe default)

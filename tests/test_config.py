@@ -220,3 +220,18 @@ def test_every_deployment_in_prefect_yaml_gives_its_flow_valid_parameters():
         checked.append(f"{flow.name}/{deployment['name']}")
     assert {"train-flow/photos", "predict-flow/photos-incoming",
             "watch-data/every-10-minutes", "sweep-flow/digits-sweep"} <= set(checked)
+
+
+def test_the_registered_name_follows_the_dataset_unless_one_is_named(tmp_path):
+    flowers = tmp_path / "My Flowers"
+    flowers.mkdir()
+    named = {source: validate_blocks({"dataset": {"source": source}})["registry"].model_name
+             for source in ("builtin:digits", str(flowers), "torchvision:EMNIST/balanced",
+                            "kaggle:competitions/dogs-vs-cats-redux-kernels-edition")}
+    assert named == {"builtin:digits": "digits", str(flowers): "my-flowers",
+                     "torchvision:EMNIST/balanced": "emnist",
+                     "kaggle:competitions/dogs-vs-cats-redux-kernels-edition":
+                         "dogs-vs-cats-redux-kernels-edition"}
+    given = validate_blocks({"dataset": {"source": "builtin:digits"},
+                             "registry": {"model_name": "team-digits"}})
+    assert given["registry"].model_name == "team-digits"

@@ -6,7 +6,7 @@ pickled), the weights as a safetensors artifact and the model's description as J
 normalises with the very functions training used. Loading needs MLflow, torch, torchvision,
 safetensors, Pillow and pandas, not this project:
 
-    model = mlflow.pyfunc.load_model("models:/train-flow-model@champion")
+    model = mlflow.pyfunc.load_model("models:/dogs-vs-cats@champion")
     model.predict(pd.DataFrame({"image": [open("cat.1.jpg", "rb").read()]}))
     #    label  probability  probability_cat  probability_dog  error
     # 0    cat        0.97             0.97             0.03   None

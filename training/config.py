@@ -183,6 +183,16 @@ class DatasetSpec(Spec):
         return self.source.partition(":")[2] if self.kind != "local" else self.source
 
     @property
+    def registered_name(self) -> str:
+        """The registered model name a run on this dataset gets unless it names one: the last
+        part of the source's name ("dogs-vs-cats" of a Kaggle competition, "flowers" of a
+        folder /data/flowers), lower case, in the characters MLflow takes."""
+        name = self.name.rstrip("/\\") if self.kind in ("local", "hf") else self.name
+        last = re.split(r"[/\\]", name)[-1] if self.kind != "torchvision" else name.split("/")[0]
+        cleaned = re.sub(r"[^a-z0-9_.-]+", "-", last.lower()).strip("-.")
+        return cleaned or "model"
+
+    @property
     def kaggle_ref(self) -> tuple[str, str]:
         """("competitions", slug) or ("datasets", "owner/slug")."""
         kind, _, ref = self.source.removeprefix("kaggle:").partition("/")
@@ -575,7 +585,11 @@ class TrainingSpec(Spec):
 class RegistrySpec(Spec):
     """How the trained model is registered and when it becomes the champion."""
 
-    model_name: str = Field("train-flow-model", min_length=1, description="Registered model name.")
+    model_name: str | None = Field(
+        None, min_length=1, description="Registered model name. None: the dataset's own, so "
+        "that each dataset's models are versions of one name and no other's: digits for "
+        "builtin:digits, the folder's name for a folder, the competition's or dataset's slug "
+        "for Kaggle, the table's name for torchvision and Hugging Face (lower case).")
     metric: Literal["accuracy", "macro_f1", "roc_auc"] = Field(
         "accuracy", description="Test metric the champion/challenger gate compares."
     )
@@ -767,4 +781,7 @@ def validate_blocks(params: dict[str, Any]) -> dict[str, Spec]:
             problems += problems_of(e, name)
     if problems:
         raise InvalidParameters(problems)
+    if specs["registry"].model_name is None:  # a default that follows another block
+        specs["registry"] = specs["registry"].model_copy(
+            update={"model_name": specs["dataset"].registered_name})
     return specs
