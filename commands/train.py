@@ -188,7 +188,7 @@ def run_train(params: dict, as_json: bool, force: bool = False, from_file: bool 
     Values that came from a config file are checked here, merged with the flags, before a
     server starts; flags alone were checked when parsed (`from_file=False`). The flow then
     validates what it is given once, as it does for a deployment's run."""
-    from commands.local_server import local_prefect_api
+    from commands.python_api import hand_started_prefect
 
     quiet_mlflow()
     if from_file:
@@ -198,23 +198,23 @@ def run_train(params: dict, as_json: bool, force: bool = False, from_file: bool 
             sys.exit("train-flow: invalid parameters\n"
                      + "\n".join(f"  {p}" for p in e.problems))
     started = time.perf_counter()
-    with local_prefect_api():
-        from runtime.remote import RemoteRootError, save_result_storage
+    from runtime.remote import RemoteRootError
 
-        try:
-            save_result_storage()  # with a remote root: the block the flow's results go to
-        except RemoteRootError as e:
-            sys.exit(f"train-flow: {e}")
-        from flows.train_flow import train_flow
+    try:
+        with hand_started_prefect():
+            from flows.train_flow import train_flow
 
-        state = train_flow(**params, force=force, return_state=True)
-        result = state.result(raise_on_failure=False)
-        if isinstance(result, BaseException):
-            sys.exit(f"train-flow failed: {type(result).__name__}: {result}")
-        if as_json:
-            print(result.model_dump_json(indent=2))
-            return
-        stages = stage_seconds(state.state_details.flow_run_id)
+            state = train_flow(**params, force=force, return_state=True)
+            result = state.result(raise_on_failure=False)
+            stages = stage_seconds(state.state_details.flow_run_id)
+    except RemoteRootError as e:  # the results block of a remote root could not be saved
+        sys.exit(f"train-flow: {e}")
+    if isinstance(result, BaseException):
+        sys.exit(f"train-flow failed: {type(result).__name__}: {result}")
+    if as_json:
+        print(result.model_dump_json(indent=2))
+        return
+
     print(summary(result, time.perf_counter() - started, stages))
 
 

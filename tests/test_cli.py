@@ -115,7 +115,8 @@ print(sorted(m for m in ('torch', 'torchvision', 'matplotlib') if m in sys.modul
 @pytest.mark.slow
 def test_hand_started_flows_share_one_local_server_on_a_busy_machine(tmp_path):
     """Every core busy, fresh home: the first run starts the local server and completes; the
-    second reuses it; `trainflow services stop` ends it."""
+    second, from Python (commands.python_api.train), reuses it; `trainflow services stop` ends
+    it."""
     env = _clean_env(tmp_path)
     config = tmp_path / "digits.yaml"
     config.write_text("dataset:\n  source: builtin:digits\ntraining:\n  image_size: 12\n"
@@ -144,7 +145,7 @@ def _two_runs_and_a_stop(tmp_path: Path, env: dict, config: Path) -> None:
     for bad in ("Timed out", "Traceback", "| ERROR"):
         assert bad not in first.stderr + first.stdout, bad
     for epoch in (1, 2, 3):  # one line per epoch
-        assert (first.stdout + first.stderr).count(f"epoch {epoch}/3 ") == 1, epoch
+        assert (first.stdout + first.stderr).count(f"epoch {epoch}/3 train_loss=") == 1, epoch
     # Progress bars and library chatter: MLflow's, and Accelerate's routine checkpoint rotation
     # (the third epoch's checkpoint replaces the first).
     for noise in ("Downloading artifacts", " INFO mlflow", "Created version",
@@ -170,14 +171,16 @@ def _two_runs_and_a_stop(tmp_path: Path, env: dict, config: Path) -> None:
     assert len(small) == 2 and "| WARNING |" in small[0] and small[1].startswith("registry  "), \
         small
 
-    (tmp_path / "again.json").write_text(json.dumps(
-        {"training": {"image_size": 12, "batch_size": 50, "epochs": 3},
-         "registry": {"model_name": "cli-digits"}}))
-    second = subprocess.run([TRAINFLOW, "train", "--config", str(tmp_path / "again.json"),
-                             "--json"], capture_output=True, text=True, timeout=600, env=env)
+    # The same run from Python, through the documented function: the same server, reused.
+    again = ('from commands.python_api import train\n'
+             'print(train(dataset={"source": "builtin:digits"}, training={"image_size": 12, '
+             '"batch_size": 50, "epochs": 3}, registry={"model_name": "cli-digits"})'
+             '.model_dump_json())')
+    second = subprocess.run([sys.executable, "-c", again], capture_output=True, text=True,
+                            timeout=600, env=env, cwd=Path(__file__).parents[1])
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "starting a local Prefect server" not in second.stderr
-    assert "champion v1 already trained" in json.loads(second.stdout)["skipped"]
+    assert "champion v1 already trained" in json.loads(second.stdout.splitlines()[-1])["skipped"]
     assert json.loads((tmp_path / ".prefect" / "trainflow-server.json").read_text()) == record
 
     stop = subprocess.run([TRAINFLOW, "services", "stop", "--folder", str(tmp_path / "svc")],
