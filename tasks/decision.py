@@ -52,15 +52,15 @@ class Registration(BaseModel):
 
 
 def mcnemar_p_value(ours: dict[str, int], theirs: dict[str, int]) -> float:
-    """Exact McNemar test on two models' correctness over the same test images."""
-    from scipy.stats import binomtest
+    """Exact McNemar test on two models' correctness (path -> 1 if right) over the test images
+    both were scored on: the review's test (training.evaluation.review.mcnemar)."""
+    import numpy as np
 
-    common = ours.keys() & theirs.keys()
-    only_ours = sum(1 for p in common if ours[p] and not theirs[p])
-    only_theirs = sum(1 for p in common if theirs[p] and not ours[p])
-    if only_ours + only_theirs == 0:
-        return 1.0
-    return float(binomtest(only_ours, only_ours + only_theirs, 0.5).pvalue)
+    from training.evaluation.review import mcnemar
+
+    common = sorted(ours.keys() & theirs.keys())
+    return mcnemar(np.array([bool(ours[p]) for p in common], dtype=bool),
+                   np.array([bool(theirs[p]) for p in common], dtype=bool))
 
 
 def beats_chance(evaluation: Evaluation, level: float | None) -> tuple[bool, str]:
