@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import tarfile
 import tempfile
@@ -44,7 +43,7 @@ from runtime.credentials import use_secret_blocks
 from trainflow_serving.images import Geometry, as_geometry
 from training.data.sources import DatasetRef
 from training.data.store import DecodeStore
-from training.engine.checkpoint_files import KEEP_CHECKPOINTS, STATE_FILE
+from training.engine.checkpoint_files import KEEP_CHECKPOINTS, STATE_FILE, checkpoint_number
 from training.handoff import SplitResult, TrainJob
 from training.storage import file_lock, home
 
@@ -466,11 +465,6 @@ def checkpoints_through(remote: RemoteRoot, job: TrainJob, resume: bool,
 
 # --- checkpoint transfers --------------------------------------------------------------------
 
-def _number(name: str) -> int:
-    match = re.search(r"checkpoint_(\d+)$", name)
-    return int(match.group(1)) if match else -1
-
-
 def remote_checkpoints(remote: RemoteRoot, prefix: str) -> dict[int, list[str]]:
     """The complete checkpoints under `prefix`: number -> keys (the marker last)."""
     by_folder: dict[str, list[str]] = {}
@@ -480,15 +474,15 @@ def remote_checkpoints(remote: RemoteRoot, prefix: str) -> dict[int, list[str]]:
     done = {}
     for folder, keys in by_folder.items():
         marker = f"{folder}/{STATE_FILE}"
-        if marker in keys and _number(folder) >= 0:
-            done[_number(folder)] = sorted(keys, key=lambda k: k == marker)
+        if marker in keys and checkpoint_number(folder) >= 0:
+            done[checkpoint_number(folder)] = sorted(keys, key=lambda k: k == marker)
     return done
 
 
 def fetch_checkpoints(remote: RemoteRoot, prefix: str, local: Path) -> list[int]:
     """Download the complete remote checkpoints newer than every complete local one (the
     newest may be an interrupted epoch another world size cannot resume, hence all of them)."""
-    here = [_number(p.parent.name) for p in local.glob(f"checkpoint_*/{STATE_FILE}")]
+    here = [checkpoint_number(p.parent.name) for p in local.glob(f"checkpoint_*/{STATE_FILE}")]
     newest_here = max(here, default=-1)
     fetched = []
     for number, keys in sorted(remote_checkpoints(remote, prefix).items()):
@@ -545,8 +539,8 @@ class CheckpointUploader:
     def sweep(self) -> bool:
         """Upload what is complete here and not yet there; False when an upload failed."""
         for marker in sorted(self.local.glob(f"checkpoint_*/{STATE_FILE}"),
-                             key=lambda p: _number(p.parent.name)):
-            number = _number(marker.parent.name)
+                             key=lambda p: checkpoint_number(p.parent.name)):
+            number = checkpoint_number(marker.parent.name)
             try:
                 written = marker.stat().st_mtime_ns
                 if self.uploaded.get(number) != written:

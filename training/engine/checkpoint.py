@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from accelerate.utils import ProjectConfiguration
 from safetensors.torch import save_model
 from torch import nn
 
-from training.engine.checkpoint_files import KEEP_CHECKPOINTS, STATE_FILE
+from training.engine.checkpoint_files import KEEP_CHECKPOINTS, STATE_FILE, checkpoint_number
 from training.engine.preemption import EpochSoFar
 from training.engine.progress import Rank
 from training.handoff import TrainJob
@@ -138,7 +137,7 @@ class Checkpointer:
     def latest(self) -> Path | None:
         """The newest complete checkpoint that this world can resume from."""
         done = sorted((p.parent for p in self.folder.glob(f"checkpoint_*/{STATE_FILE}")),
-                      key=_number, reverse=True)
+                      key=lambda folder: checkpoint_number(folder.name), reverse=True)
         for folder in done:
             interrupted = json.loads((folder / STATE_FILE).read_text()).get("interrupted")
             # An epoch's batches do not map onto another world's shards: from such a stop,
@@ -154,13 +153,10 @@ class Checkpointer:
             return None
         if self.rank.main:  # a save cut off after it would block Accelerate's naming
             for stale in self.folder.glob("checkpoint_*"):
-                if _number(stale) > _number(latest):
+                if checkpoint_number(stale.name) > checkpoint_number(latest.name):
                     shutil.rmtree(stale, ignore_errors=True)
         self.accelerator.wait_for_everyone()
         self.accelerator.load_state(str(latest))
         return TrainerState(**json.loads((latest / STATE_FILE).read_text()))
 
 
-def _number(folder: Path) -> int:
-    match = re.search(r"(\d+)$", folder.name)
-    return int(match.group(1)) if match else -1
