@@ -31,25 +31,32 @@ class MissingSecretBlock(RuntimeError):
     pass
 
 
-def use_secret_blocks() -> list[str]:
-    """Load the Secret blocks named in the environment; return the variables they set."""
-    named = {variable: fields for variable, fields in SECRET_BLOCKS.items()
-             if os.environ.get(variable)}
-    if not named:
-        return []
+def secret_block(variable: str) -> dict | None:
+    """The JSON object of the Prefect Secret block that environment variable `variable` names;
+    None when it names none. A block that does not exist is a MissingSecretBlock."""
+    name = os.environ.get(variable)
+    if not name:
+        return None
     from prefect.blocks.system import Secret
 
+    try:
+        value = Secret.load(name).get()
+    except ValueError:
+        raise MissingSecretBlock(
+            f"{variable} names the Prefect Secret block {name!r}, which does not exist on "
+            f"this Prefect server: create it (e.g. Secret(value={{...}}).save({name!r})) or "
+            f"unset {variable}") from None
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def use_secret_blocks() -> list[str]:
+    """Load the Secret blocks named in the environment; return the variables they set."""
     set_now = []
-    for variable, fields in named.items():
+    for variable, fields in SECRET_BLOCKS.items():
+        data = secret_block(variable)
+        if data is None:
+            continue
         name = os.environ[variable]
-        try:
-            value = Secret.load(name).get()
-        except ValueError:
-            raise MissingSecretBlock(
-                f"{variable} names the Prefect Secret block {name!r}, which does not exist on "
-                f"this Prefect server: create it (e.g. Secret(value={{...}}).save({name!r})) or "
-                f"unset {variable}") from None
-        data = json.loads(value) if isinstance(value, str) else value
         missing = sorted(set(fields) - set(data))
         if missing:
             raise MissingSecretBlock(f"the Prefect Secret block {name!r} ({variable}) lacks "

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 from collections.abc import Callable, Iterator
 
 from prefect import task
 
+from runtime.credentials import secret_block
 from runtime.progress_display import PhaseProgress
 from runtime.remote import (
     publish_dataset,
@@ -33,13 +32,9 @@ def credentials_from_secret_block() -> KaggleCredentials | None:
     The block holds {"username": ..., "key": ...} or {"token": ...}. The values stay in memory:
     they are never task parameters, so they never reach the Prefect database or the logs.
     """
-    name = os.environ.get("KAGGLE_SECRET_BLOCK")
-    if not name:
+    data = secret_block("KAGGLE_SECRET_BLOCK")
+    if data is None:
         return None
-    from prefect.blocks.system import Secret
-
-    value = Secret.load(name).get()
-    data = json.loads(value) if isinstance(value, str) else value
     return KaggleCredentials(data.get("username"), data.get("key"), data.get("token"))
 
 
