@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.evaluation.review import Scored, compare, write_review
+from training.evaluation.review import ModelAnswers, compare, write_review
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     n, k = args.images, args.classes
     names = [f"class{c}" for c in range(k)]
     truth = rng.integers(0, k, n)
-    models = [Scored(name, np.where(rng.random(n) < right, truth, rng.integers(0, k, n)),
+    models = [ModelAnswers(name, np.where(rng.random(n) < right, truth, rng.integers(0, k, n)),
                      rng.uniform(0.3, 1.0, n)) for name, right in
               (("challenger v2", 0.92), ("champion v1", 0.90))]
     with tempfile.TemporaryDirectory() as folder:

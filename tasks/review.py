@@ -27,7 +27,7 @@ from tasks.report import how_split
 from tasks.tracking import run_url
 from training.data.sources import DatasetRef
 from training.evaluation.review import (
-    Scored,
+    ModelAnswers,
     compare,
     read_challenger,
     read_served,
@@ -123,12 +123,12 @@ def review_version(source: DatasetRef, split: SplitResult, trained: TrainResult,
     """The review report and the model card, logged where a person deciding will look."""
     names = trained.class_names
     paths, truth, predicted, confidence = read_challenger(evaluation.predictions, names)
-    models = [Scored(f"challenger v{registration.version}", predicted, confidence)]
+    models = [ModelAnswers(f"challenger v{registration.version}", predicted, confidence)]
     if registration.champion_version is not None:
         scored = champion_predictions(registration.model_name, registration.champion_version,
                                       split)
         if scored is not None:
-            models.append(Scored(f"champion v{registration.champion_version}",
+            models.append(ModelAnswers(f"champion v{registration.champion_version}",
                                  *read_served(scored, paths, names)))
     figures = compare(truth, models, names)
     decision = registration.description()

@@ -14,7 +14,7 @@ from scipy.stats import binomtest
 from sklearn.metrics import f1_score
 
 from tests.imagegen import write_folder_layout
-from training.evaluation.review import Scored, compare, summary_markdown, write_review
+from training.evaluation.review import ModelAnswers, compare, summary_markdown, write_review
 
 NAMES = ["cat", "dog", "fox"]
 
@@ -28,8 +28,8 @@ def answers():
     challenger[[0, 1, 2, 31, 62]] = [1, 1, 2, 0, 0]
     champion[[5, 6, 31, 32, 33, 34, 60]] = [2, 1, 2, 2, 0, 0, 1]
     champion[70] = -1
-    return truth, [Scored("challenger v2", challenger, np.full(90, 0.9)),
-                   Scored("champion v1", champion, np.linspace(0.4, 1.0, 90))]
+    return truth, [ModelAnswers("challenger v2", challenger, np.full(90, 0.9)),
+                   ModelAnswers("champion v1", champion, np.linspace(0.4, 1.0, 90))]
 
 
 def test_the_figures_match_scikit_learn_scipy_and_a_hand_count(answers):
@@ -60,7 +60,7 @@ def test_a_larger_test_set_gives_narrower_intervals():
     for n in (60, 6000):
         truth = rng.integers(0, 3, n)
         predicted = np.where(rng.random(n) < 0.8, truth, (truth + 1) % 3)
-        stats = compare(truth, [Scored("m", predicted, np.full(n, 0.8))], NAMES,
+        stats = compare(truth, [ModelAnswers("m", predicted, np.full(n, 0.8))], NAMES,
                         bootstrap=300)["models"][0]["accuracy"]
         widths.append(stats["high"] - stats["low"])
     assert widths[1] < widths[0] / 5

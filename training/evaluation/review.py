@@ -34,7 +34,7 @@ THUMBNAIL = 96
 
 
 @dataclass
-class Scored:
+class ModelAnswers:
     """One model's answers on the test images, in the test rows' order."""
 
     name: str  # "challenger v5", "champion v3"
@@ -123,7 +123,7 @@ def mcnemar(ours: np.ndarray, theirs: np.ndarray) -> float:
     return float(binomtest(only_ours, only_ours + only_theirs, 0.5).pvalue)
 
 
-def compare(truth: np.ndarray, models: list[Scored], class_names: list[str],
+def compare(truth: np.ndarray, models: list[ModelAnswers], class_names: list[str],
             bootstrap: int = BOOTSTRAP, seed: int = 0) -> dict:
     """The review's figures (JSON-ready): models[0] is the challenger, models[1] (if any) the
     champion it is compared with."""
@@ -238,8 +238,8 @@ def _interval(figure: dict, digits: int = 3) -> str:
 
 
 def _gallery(title: str, indices: list[int], paths: list[str], root: Path, truth: np.ndarray,
-             models: list[Scored], names: list[str]) -> str:
-    def said(model: Scored, i: int) -> str:
+             models: list[ModelAnswers], names: list[str]) -> str:
+    def said(model: ModelAnswers, i: int) -> str:
         label = names[model.predicted[i]] if model.predicted[i] >= 0 else "unreadable"
         return f"{html.escape(model.name)}: {html.escape(label)} ({model.confidence[i]:.2f})"
 
@@ -258,7 +258,7 @@ def _gallery(title: str, indices: list[int], paths: list[str], root: Path, truth
 
 
 def write_review(out: Path, decision: str, figures: dict, paths: list[str], root: Path,
-                 truth: np.ndarray, models: list[Scored]) -> Path:
+                 truth: np.ndarray, models: list[ModelAnswers]) -> Path:
     """review.json, reliability.png, confusion.png and review.html in `out`; the HTML's path."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "review.json").write_text(json.dumps({"decision": decision, **figures}, indent=1))
