@@ -79,48 +79,50 @@ def main() -> None:
     parser.add_argument("--sets", default=",".join(SETS))
     args = parser.parse_args()
     logging.disable(logging.INFO)
-    home = Path(tempfile.mkdtemp(prefix="trainflow-bench-epoch-rule-"))
-    os.environ["TRAINFLOW_HOME"] = str(home)
-    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="trainflow-bench-epoch-rule-") as folder:
+        os.environ["TRAINFLOW_HOME"] = folder
+        started = time.time()
+        lines = table(Path(folder), args.sets.split(","), args.seeds, args.epochs)
+    print("\n".join([*lines, "", f"bench wall time: {time.time() - started:.0f} s"]))
+
+
+def table(home: Path, sets: list[str], seeds: int, epochs: int) -> list[str]:
+    """Every seed's row, then the medians."""
     header = ("| set | seed | epochs kept (" + ", ".join(RULES) + ", hindsight) | held-out "
               "accuracy: " + " | ".join(RULES) + " | best in hindsight |")
     lines = [header, "|" + "---|" * (len(RULES) + 4)]
     summary: dict[str, dict[str, list[float]]] = {}
-    try:
-        for name in args.sets.split(","):
-            settings, make = SETS[name]
-            folder = home / name
-            if make is None:
-                write_flowers(folder / "data", FLOWERS)
-                held = folder / "data" / "test"
-            else:
-                held = folder / "held-out"
-                make(folder / "data", held)
-            split = split_dataset(prepare(DatasetSpec(source=str(folder / "data")), home),
-                                  SplitSpec(), home)
-            images = held_out_images(held, split.class_names)
-            for seed in range(args.seeds):
-                history, scores = one_run(split, folder / f"seed-{seed}", images,
-                                          {**settings, "epochs": args.epochs, "seed": seed})
-                epochs = [kept(history, rule) for rule in RULES]
-                hindsight = max(scores, key=lambda e: (scores[e], e))
-                row = summary.setdefault(name, {})
-                for rule, epoch in zip(RULES, epochs, strict=True):
-                    row.setdefault(rule, []).append(scores[epoch])
-                row.setdefault("hindsight", []).append(scores[hindsight])
-                lines.append(f"| {name} | {seed} | {', '.join(map(str, epochs))}, {hindsight} | "
-                             + " | ".join(f"{scores[e]:.3f}" for e in epochs)
-                             + f" | {scores[hindsight]:.3f} |")
-                print(lines[-1], flush=True)
-        lines += ["", "| set (median of seeds) | " + " | ".join(RULES) + " | hindsight |",
-                  "|" + "---|" * (len(RULES) + 2)]
-        for name, row in summary.items():
-            lines.append(f"| {name} | " + " | ".join(
-                f"{statistics.median(v):.3f}" for v in row.values()) + " |")
-        lines += ["", f"bench wall time: {time.time() - started:.0f} s"]
-        print("\n".join(lines))
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
+    for name in sets:
+        settings, make = SETS[name]
+        folder = home / name
+        if make is None:
+            write_flowers(folder / "data", FLOWERS)
+            held = folder / "data" / "test"
+        else:
+            held = folder / "held-out"
+            make(folder / "data", held)
+        split = split_dataset(prepare(DatasetSpec(source=str(folder / "data")), home),
+                              SplitSpec(), home)
+        images = held_out_images(held, split.class_names)
+        for seed in range(seeds):
+            history, scores = one_run(split, folder / f"seed-{seed}", images,
+                                      {**settings, "epochs": epochs, "seed": seed})
+            kept_epochs = [kept(history, rule) for rule in RULES]
+            hindsight = max(scores, key=lambda e: (scores[e], e))
+            row = summary.setdefault(name, {})
+            for rule, epoch in zip(RULES, kept_epochs, strict=True):
+                row.setdefault(rule, []).append(scores[epoch])
+            row.setdefault("hindsight", []).append(scores[hindsight])
+            lines.append(f"| {name} | {seed} | {', '.join(map(str, kept_epochs))}, "
+                         f"{hindsight} | " + " | ".join(f"{scores[e]:.3f}" for e in kept_epochs)
+                         + f" | {scores[hindsight]:.3f} |")
+            print(lines[-1], flush=True)
+    lines += ["", "| set (median of seeds) | " + " | ".join(RULES) + " | hindsight |",
+              "|" + "---|" * (len(RULES) + 2)]
+    for name, row in summary.items():
+        lines.append(f"| {name} | " + " | ".join(
+            f"{statistics.median(v):.3f}" for v in row.values()) + " |")
+    return lines
 
 
 if __name__ == "__main__":
