@@ -36,7 +36,8 @@ def test_help_lists_every_field_and_exits_zero(tmp_path):
         assert flag in done.stdout, flag
     text = " ".join(done.stdout.split())  # as argparse wrapped it
     assert ("Square input size in pixels. Default: 224 with pretrained weights or a weights "
-            "file (the ImageNet habit), else 28. (default: 28)") in text
+            "file (the ImageNet habit;") in text
+    assert "the smallest it takes when it cannot. (default: 28)" in text
 
 
 @pytest.mark.parametrize("argv, message", [
