@@ -164,14 +164,24 @@ def local_gpus() -> list[Gpu]:
 
 
 def check_training(training: TrainingSpec, gpus: list[Gpu] | None = None) -> Resolved:
-    """Process counts and precision against this machine (`gpus`: what CUDA reports), and the
-    network as it arrives: the spec it makes (a user network that loads its own weights is a
-    fine-tune) with the size its forward pass takes."""
+    """The network as it arrives (the spec it makes: a user network that loads its own weights
+    is a fine-tune, at a size its forward pass takes), then that spec against this machine
+    (`gpus`: what CUDA reports), the other machines and the starting weights."""
     if importlib.util.find_spec("accelerate") is None:
         raise PreflightError("accelerate is not installed in this environment: run make install")
     resolved = network_as_it_arrives(training)
     training = resolved.training
-    gpus = local_gpus() if gpus is None else gpus
+    check_hardware(training, local_gpus() if gpus is None else gpus)
+    if training.num_machines > 1:
+        check_machines(training)
+    if resolved.network is not None and (training.head or ":" in training.model):
+        check_head(resolved.network, training.head)
+    check_starting_weights(training)
+    return resolved
+
+
+def check_hardware(training: TrainingSpec, gpus: list[Gpu]) -> None:
+    """Process counts, precision and BatchNorm against this machine's GPUs and CPU."""
     wanted = training.resolved_num_processes(len(gpus))
     if gpus and wanted > len(gpus) and not training.accelerate_config_file:
         raise PreflightError(f"training.num_processes={wanted} but this machine has {len(gpus)} "
@@ -199,27 +209,28 @@ def check_training(training: TrainingSpec, gpus: list[Gpu] | None = None) -> Res
     if training.batchnorm == "sync" and not gpus:
         raise PreflightError('training.batchnorm="sync" needs CUDA GPUs (torch\'s '
                              'SyncBatchNorm); on this machine use "frozen", "train" or "auto"')
-    if training.num_machines > 1:
-        check_machines(training)
-    if resolved.network is not None and (training.head or ":" in training.model):
-        check_head(resolved.network, training.head)
+
+
+def check_starting_weights(training: TrainingSpec) -> None:
+    """The weights file, or the library's published weights, are on this machine: nothing is
+    downloaded mid-launch."""
     if training.weights and not Path(training.weights).is_file():
         raise PreflightError(f"training.weights {training.weights} does not exist on this "
                              "machine; give the path of a safetensors or state-dict file")
-    if training.pretrained:
-        from training.models.build import TIMM, pretrained_weights_file, timm_pretrained
+    if not training.pretrained:
+        return
+    from training.models.build import TIMM, pretrained_weights_file, timm_pretrained
 
-        if training.model.startswith(TIMM):
-            try:
-                timm_pretrained(training.model, num_classes=2)
-            except FileNotFoundError as e:
-                raise PreflightError(str(e)) from None
-        elif (network_library(training.model) == "torchvision"
-              and not (path := pretrained_weights_file(training.model)).is_file()):
-            raise PreflightError(f"pretrained weights for {training.model} are not in the torch "
-                                 f"cache: expected {path}; copy them there or set "
-                                 "training.pretrained=false")
-    return resolved
+    if training.model.startswith(TIMM):
+        try:
+            timm_pretrained(training.model, num_classes=2)
+        except FileNotFoundError as e:
+            raise PreflightError(str(e)) from None
+    elif (network_library(training.model) == "torchvision"
+          and not (path := pretrained_weights_file(training.model)).is_file()):
+        raise PreflightError(f"pretrained weights for {training.model} are not in the torch "
+                             f"cache: expected {path}; copy them there or set "
+                             "training.pretrained=false")
 
 
 def network_as_it_arrives(training: TrainingSpec) -> Resolved:
