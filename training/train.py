@@ -84,29 +84,15 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
     optimizer = make_optimizer(spec, model)
     model, optimizer, train_loader, val_loader = prepare_then_seed_per_rank(
         accelerator, rank, spec, model, optimizer, train_loader, val_loader)
-    # Compiled after prepare(), so that DDP wraps the original module (gradient all-reduce
-    # overlaps backward) and the checkpoints, which hold the prepared module, stay plain.
-    stepping = torch.compile(model) if spec.compile else model
     steps = optimizer_steps(train_loader, spec)
     scheduler = make_scheduler(spec, optimizer, steps)
     stopper = EarlyStopping(spec.early_stopping_patience, spec.early_stopping_min_delta)
     accelerator.register_for_checkpointing(scheduler, stopper)  # before any load_state
-    pre = preprocessing_for(job)
-    learner = Learner(accelerator, stepping, optimizer, scheduler,
-                      Normalize(pre.mean, pre.std).to(accelerator.device), spec, rank, progress,
-                      augment=augmentation(spec), batchnorm=batchnorm,
-                      freeze_steps=round(spec.freeze_epochs * steps),
-                      backbone=backbone_parameters(optimizer), metric=job.metric)
+    learner = make_learner(job, accelerator, rank, progress, model, optimizer, scheduler,
+                           batchnorm, steps)
     checkpoints = Checkpointer(accelerator, rank, job, model)
     notice = PreemptionNotice()  # from here on, a SIGTERM saves before it stops
-    state = (checkpoints.resume() if resume else None) or TrainerState()
-    so_far = EpochSoFar(**state.interrupted) if state.interrupted else None
-    if state.epoch and so_far is None:
-        continue_after(scheduler, lambda: make_scheduler(spec, optimizer, steps), state.epoch,
-                       steps)
-    if state.epoch or so_far:  # mid-epoch, the restored schedule is exactly where it stopped
-        progress.emit(Resumed, checkpoint=str(checkpoints.latest()), epoch=state.epoch,
-                      batches=so_far.batches if so_far else 0)
+    state, so_far = resume_state(learner, checkpoints, resume, steps)
     choice = epoch_choice(job, len(val_loader.dataset))
     state.chosen_by = choice.by
     report_params(job, accelerator, rank, progress, train_loader, val_loader,
@@ -127,26 +113,67 @@ def train(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: Progres
                           checkpoint=str(saved), optimizer_steps=scheduler.last_epoch)
             raise
         so_far = None
-        metrics = {**trained, **validate(learner, val_loader, epoch)}
-        seconds = time.perf_counter() - started
-        metrics = EpochMetrics(epoch=epoch, epoch_seconds=seconds,
-                               images_per_second=metrics.pop("train_images") / seconds,
-                               learning_rate=optimizer.param_groups[0]["lr"],
-                               optimizer_steps=scheduler.last_epoch,  # it counts the steps
-                               **metrics)
-        is_best = state.record(epoch, metrics.figures())
+        metrics = epoch_metrics(learner, epoch, {**trained, **validate(learner, val_loader, epoch)},
+                                time.perf_counter() - started)
         stop = stopper.should_stop(metrics.val_accuracy)
-        checkpoint = checkpoints.save(epoch, state, is_best)
-        accelerator.log(metrics.figures(), step=epoch)
-        progress.emit(EpochEnded, epoch=epoch, epochs=spec.epochs, metrics=metrics,
-                      is_best=is_best, checkpoint=str(checkpoint), world_size=rank.world)
-        if rank.main and not task_reports():  # else the task says it once
-            print(f"[rank {rank.index}] epoch {epoch}/{spec.epochs} " + " ".join(
-                f"{k}={v:.4g}" for k, v in metrics.figures().items()), flush=True)
+        keep_epoch(learner, checkpoints, state, metrics)
         if stop:  # every rank saw the same gathered metrics: all leave here together
             progress.emit(EarlyStopped, epoch=epoch, best_epoch=state.best["epoch"])
             break
     return finish(job, accelerator, rank, progress, state, checkpoints.best_weights)
+
+
+def make_learner(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: ProgressWriter,
+                 model: torch.nn.Module, optimizer, scheduler, batchnorm: str,
+                 steps: int) -> Learner:
+    """What one step needs, the prepared model compiled when asked."""
+    spec, pre = job.training, preprocessing_for(job)
+    # Compiled after prepare(), so that DDP wraps the original module (gradient all-reduce
+    # overlaps backward) and the checkpoints, which hold the prepared module, stay plain.
+    stepping = torch.compile(model) if spec.compile else model
+    return Learner(accelerator, stepping, optimizer, scheduler,
+                   Normalize(pre.mean, pre.std).to(accelerator.device), spec, rank, progress,
+                   augment=augmentation(spec), batchnorm=batchnorm,
+                   freeze_steps=round(spec.freeze_epochs * steps),
+                   backbone=backbone_parameters(optimizer), metric=job.metric)
+
+
+def resume_state(learner: Learner, checkpoints: Checkpointer, resume: bool, steps: int
+                 ) -> tuple[TrainerState, EpochSoFar | None]:
+    """The loop's state from the newest checkpoint (a fresh one without), the schedule moved
+    to where it stopped, and the part of an epoch a preemption left done."""
+    spec, scheduler, optimizer = learner.spec, learner.scheduler, learner.optimizer
+    state = (checkpoints.resume() if resume else None) or TrainerState()
+    so_far = EpochSoFar(**state.interrupted) if state.interrupted else None
+    if state.epoch and so_far is None:
+        continue_after(scheduler, lambda: make_scheduler(spec, optimizer, steps), state.epoch,
+                       steps)
+    if state.epoch or so_far:  # mid-epoch, the restored schedule is exactly where it stopped
+        learner.progress.emit(Resumed, checkpoint=str(checkpoints.latest()), epoch=state.epoch,
+                              batches=so_far.batches if so_far else 0)
+    return state, so_far
+
+
+def epoch_metrics(learner: Learner, epoch: int, figures: dict, seconds: float) -> EpochMetrics:
+    return EpochMetrics(epoch=epoch, epoch_seconds=seconds,
+                        images_per_second=figures.pop("train_images") / seconds,
+                        learning_rate=learner.optimizer.param_groups[0]["lr"],
+                        optimizer_steps=learner.scheduler.last_epoch,  # it counts the steps
+                        **figures)
+
+
+def keep_epoch(learner: Learner, checkpoints: Checkpointer, state: TrainerState,
+               metrics: EpochMetrics) -> None:
+    """The epoch recorded (the best so far or not), saved, and reported."""
+    rank, spec, epoch = learner.rank, learner.spec, metrics.epoch
+    is_best = state.record(epoch, metrics.figures())
+    checkpoint = checkpoints.save(epoch, state, is_best)
+    learner.accelerator.log(metrics.figures(), step=epoch)
+    learner.progress.emit(EpochEnded, epoch=epoch, epochs=spec.epochs, metrics=metrics,
+                          is_best=is_best, checkpoint=str(checkpoint), world_size=rank.world)
+    if rank.main and not task_reports():  # else the task says it once
+        print(f"[rank {rank.index}] epoch {epoch}/{spec.epochs} " + " ".join(
+            f"{k}={v:.4g}" for k, v in metrics.figures().items()), flush=True)
 
 
 def prepare_then_seed_per_rank(accelerator: Accelerator, rank: Rank, spec: TrainingSpec,
