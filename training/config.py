@@ -335,16 +335,15 @@ class TrainingSpec(Spec):
         "the default from scratch (digits, icons).")
     epochs: Annotated[int, Role.BUDGET] = Field(2, ge=1, le=10_000)
     batch_size: Annotated[int, Role.RECIPE] = Field(
-        16, ge=1, le=65_536, description="Per process. Small models on small data are short of "
-        "optimizer steps, not epochs (bench/RESULTS.md, the demo's recipe: batch 16 and lr 0.01 "
-        "took basicnet on digits from a median of 0.972 to 0.983 in 3 epochs).")
+        16, ge=1, le=65_536, description="Images per optimizer step on each process (the "
+        "effective batch is this x processes x gradient_accumulation_steps). Small models on "
+        "small data are short of optimizer steps, not epochs.")
     lr: Annotated[float, Role.RECIPE] = Field(
         default_factory=recipe_default("lr"), gt=0, le=10,
         description="Peak learning rate (of the head, with backbone_lr_factor). Default: 0.01 "
         "for basicnet, 0.005 for other models, for training from scratch with the onecycle "
-        "schedule (bench/RESULTS.md: digits 0.944 -> 0.983 in 3 epochs); fine-tuning "
-        "(pretrained weights or a weights file): 0.001 for the new head with adamw, the "
-        "backbone at backbone_lr_factor 0.1 of it.")
+        "schedule; fine-tuning (pretrained weights or a weights file): 0.001 for the new head "
+        "with adamw, the backbone at backbone_lr_factor 0.1 of it.")
     optimizer: Annotated[Literal["adam", "adamw", "sgd"], Role.RECIPE] = Field(
         default_factory=recipe_default("optimizer"), description='"adam", "adamw" or "sgd" '
         "(momentum 0.9). Default: adam from scratch, adamw when fine-tuning.")
@@ -370,7 +369,7 @@ class TrainingSpec(Spec):
         0.7, gt=0, le=1,
         description="The smallest share of the image's area a random crop keeps (torchvision's "
         "RandomResizedCrop scale=(crop_min_scale, 1)). Heavy crops (ImageNet's 0.08, or 0.35) "
-        "cost short trainings accuracy, from scratch and fine-tuning alike (bench/RESULTS.md).")
+        "cost short trainings accuracy, from scratch and fine-tuning alike.")
     lr_schedule: Annotated[Literal["constant", "cosine", "onecycle", "step"], Role.RECIPE] = Field(
         "onecycle",
         description="Per-step learning rate, from torch's schedulers: onecycle (OneCycleLR: up "
@@ -394,11 +393,10 @@ class TrainingSpec(Spec):
     )
     label_smoothing: Annotated[float, Role.RECIPE] = Field(
         0.1, ge=0, lt=1,
-        description="Cross-entropy label smoothing (0.1 as torchvision's "
-        "recipes; measured with the default lr and schedule in bench/RESULTS.md).")
+        description="Cross-entropy label smoothing (0.1 as torchvision's recipes).")
     channels_last: Annotated[bool, Role.RECIPE] = Field(
-        True, description="NHWC memory layout for convolutions (measured 1.05-1.15x faster "
-        "steps on CPU for basicnet, resnet18, mobilenet_v3_small, vgg16: bench/RESULTS.md).")
+        True, description="NHWC memory layout for convolutions, faster on CPUs and on GPUs "
+        "with tensor cores.")
     batchnorm: Annotated[Literal["auto", "train", "frozen", "sync"], Role.RECIPE] = Field(
         "auto", description="BatchNorm during training. train: each rank's own batch "
         "statistics. sync: statistics over every rank's batch (torch's SyncBatchNorm; CUDA "
