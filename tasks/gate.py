@@ -196,14 +196,19 @@ def figures(rows: list[tuple[str, str]], predicted: dict[str, dict], class_names
 
     An image the champion could not read counts as wrong.
     """
-    from sklearn.metrics import accuracy_score, f1_score, roc_auc_score
+    from sklearn.metrics import accuracy_score, f1_score, recall_score, roc_auc_score
+
+    from training.evaluation.metrics import balanced_recall
 
     index = {name: k for k, name in enumerate(class_names)}
     y_true = [index[label] for _, label in rows]
     y_pred = [index.get(predicted[p]["label"] or "", -1) for p, _ in rows]
+    k = list(range(len(class_names)))
+    recall = recall_score(y_true, y_pred, labels=k, average=None, zero_division=0)
     metrics = {"accuracy": float(accuracy_score(y_true, y_pred)),
-               "macro_f1": float(f1_score(y_true, y_pred, labels=list(range(len(class_names))),
-                                          average="macro", zero_division=0))}
+               "balanced_accuracy": balanced_recall(recall, [y_true.count(c) for c in k]),
+               "macro_f1": float(f1_score(y_true, y_pred, labels=k, average="macro",
+                                          zero_division=0))}
     if len(class_names) == 2:
         positive = f"probability_{class_names[1]}"
         scores = [float(predicted[p][positive] or 0.5) for p, _ in rows]

@@ -197,6 +197,8 @@ def train_model(split: SplitResult, training: TrainingSpec, output_dir: Path,
     resumes from the last saved epoch."""
     logger = run_logger()
     job = TrainJob(split=split, training=training, output_dir=output_dir, metric=metric)
+    if warning := imbalance_warning(split, metric):
+        logger.warning("%s", warning)
     artifact_id = create_progress_artifact(progress=0.0, description="training epochs")
 
     def on_progress(share: float) -> None:
@@ -214,6 +216,25 @@ def train_model(split: SplitResult, training: TrainingSpec, output_dir: Path,
     if (remote := remote_root()) is not None:
         logger.info("best weights in %s: %s", remote, publish_run_outputs(remote, output_dir))
     return result
+
+
+IMBALANCE = 10
+"""Largest over smallest class in the train split above which accuracy misleads the gate."""
+
+
+def imbalance_warning(split: SplitResult, metric: str) -> str | None:
+    """A line for unbalanced classes judged on accuracy, naming what to use instead."""
+    counts = {name: n for name, n in split.counts["train"].items() if n}
+    if len(counts) < 2 or metric != "accuracy":
+        return None
+    (large, most), (small, least) = (max(counts.items(), key=lambda c: c[1]),
+                                     min(counts.items(), key=lambda c: c[1]))
+    if most <= IMBALANCE * least:
+        return None
+    return (f"unbalanced classes: {large!r} has {most / least:.0f}x the train images of "
+            f"{small!r} ({most} against {least}), and the gate compares accuracy, which a model "
+            "that ignores the rare class can win: set registry.metric to balanced_accuracy or "
+            "macro_f1, and training.class_weights to balanced")
 
 
 @task

@@ -391,6 +391,10 @@ class TrainingSpec(Spec):
         1, ge=1, le=1024, description="Batches per optimizer step: the effective batch is "
         "batch_size x processes x this."
     )
+    class_weights: Annotated[Literal["none", "balanced"], Role.RECIPE] = Field(
+        "none", description="balanced: each class's share of the training loss weighted by "
+        "n / (classes x its train images), as scikit-learn's class_weight=\"balanced\", so a "
+        "rare class counts as much as a common one; none: every image alike.")
     label_smoothing: Annotated[float, Role.RECIPE] = Field(
         0.1, ge=0, lt=1,
         description="Cross-entropy label smoothing (0.1 as torchvision's recipes).")
@@ -588,9 +592,10 @@ class RegistrySpec(Spec):
         "that each dataset's models are versions of one name and no other's: digits for "
         "builtin:digits, the folder's name for a folder, the competition's or dataset's slug "
         "for Kaggle, the table's name for torchvision and Hugging Face (lower case).")
-    metric: Literal["accuracy", "macro_f1", "roc_auc"] = Field(
-        "accuracy", description="Test metric the champion/challenger gate compares."
-    )
+    metric: Literal["accuracy", "macro_f1", "balanced_accuracy", "roc_auc"] = Field(
+        "accuracy", description="Test metric the champion/challenger gate compares. With "
+        "unbalanced classes use macro_f1 or balanced_accuracy (the mean of the classes' "
+        "recalls): a model that ignores a rare class can win on accuracy.")
     min_improvement: float = Field(0.0, ge=0, description="Needed margin over the champion.")
     promote: bool = Field(True, description="False: register as challenger only.")
     significance: float | None = Field(

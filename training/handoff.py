@@ -71,7 +71,7 @@ class TrainJob(Spec):
     split: SplitResult = Field(description="The split stage's result: manifest and summary.")
     training: TrainingSpec = TrainingSpec()
     output_dir: Path = Field(description="Checkpoints, weights and progress events go here.")
-    metric: Literal["accuracy", "macro_f1", "roc_auc"] = Field(
+    metric: Literal["accuracy", "macro_f1", "balanced_accuracy", "roc_auc"] = Field(
         "accuracy", description="The test metric the gate compares (registry.metric): with "
         "training.choose_epoch auto, the epoch kept is the best on its val figure.")
 

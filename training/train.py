@@ -135,7 +135,19 @@ def make_learner(job: TrainJob, accelerator: Accelerator, rank: Rank, progress: 
                    Normalize(pre.mean, pre.std).to(accelerator.device), spec, rank, progress,
                    augment=augmentation(spec), batchnorm=batchnorm,
                    freeze_steps=round(spec.freeze_epochs * steps),
-                   backbone=backbone_parameters(optimizer), metric=job.metric)
+                   backbone=backbone_parameters(optimizer), metric=job.metric,
+                   class_weights=loss_weights(job, accelerator.device))
+
+
+def loss_weights(job: TrainJob, device: torch.device) -> torch.Tensor | None:
+    """training.class_weights "balanced": n / (classes x n_c) per class c of the train split,
+    scikit-learn's class_weight="balanced"; a class with no train image weighs nothing."""
+    if job.training.class_weights == "none":
+        return None
+    counts = [job.split.counts["train"].get(name, 0) for name in job.split.class_names]
+    total, classes = sum(counts), len(counts)
+    return torch.tensor([total / (classes * n) if n else 0.0 for n in counts],
+                        dtype=torch.float32, device=device)
 
 
 def resume_state(learner: Learner, checkpoints: Checkpointer, resume: bool, steps: int

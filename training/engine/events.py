@@ -35,8 +35,9 @@ class EpochMetrics(Payload):
     val_accuracy: float
     val_images: int
     val_macro_f1: float | None = None
+    val_balanced_accuracy: float | None = None
     val_roc_auc: float | None = None
-    """two classes only"""
+    """The val figure of the metric the gate compares, when it is not accuracy."""
     epoch_seconds: float
     images_per_second: float
     learning_rate: float
@@ -61,6 +62,8 @@ class TestMetrics(Payload):
     accuracy: float
     loss: float
     macro_f1: float
+    balanced_accuracy: float | None = None
+    """the mean of the classes' recalls"""
     roc_auc: float | None = None
     """two classes only"""
     images: int
@@ -68,8 +71,9 @@ class TestMetrics(Payload):
 
     def scores(self) -> dict[str, float]:
         """The metrics a gate can compare and MLflow logs as test_<name>."""
-        return {k: v for k, v in self.model_dump(include={"accuracy", "loss", "macro_f1",
-                                                          "roc_auc"}).items() if v is not None}
+        return {k: v for k, v in self.model_dump(include={
+            "accuracy", "loss", "macro_f1", "balanced_accuracy", "roc_auc"}).items()
+            if v is not None}
 
 
 class Started(Event):

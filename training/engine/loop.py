@@ -40,6 +40,8 @@ class Learner:
     backbone: list[torch.Tensor] = field(default_factory=list)
     metric: str = "accuracy"
     """The metric the gate compares (TrainJob.metric): its val figure is computed each epoch."""
+    class_weights: torch.Tensor | None = None
+    """Per class, on the device: training.class_weights "balanced" (None: all alike)."""
 
     def inputs(self, images: torch.Tensor, train: bool = False) -> torch.Tensor:
         """uint8 batch -> the model's normalised float input, in the chosen memory layout;
@@ -92,8 +94,9 @@ def train_one_epoch(learner: Learner, loader, epoch: int, so_far: EpochSoFar | N
         with accelerator.accumulate(model):
             with accelerator.autocast():
                 logits = model(learner.inputs(images, train=True))
-                loss = torch.nn.functional.cross_entropy(logits, labels,
-                                                         label_smoothing=spec.label_smoothing)
+                loss = torch.nn.functional.cross_entropy(
+                    logits, labels, weight=learner.class_weights,
+                    label_smoothing=spec.label_smoothing)
             accelerator.backward(loss)
             head_only = learner.head_only
             if head_only:  # an optimizer skips a parameter without a gradient: no decay, no

@@ -27,6 +27,7 @@ def compute_metrics(logits: torch.Tensor, labels: torch.Tensor, class_names: lis
         "accuracy": float(accuracy_score(y_true, y_pred)),
         "loss": float(torch.nn.functional.cross_entropy(logits, labels).item()),
         "macro_f1": float(f1_score(y_true, y_pred, labels=k, average="macro", zero_division=0)),
+        "balanced_accuracy": balanced_recall(recall, support),
         "images": int(len(y_true)),
         "per_class": {name: {"precision": float(p), "recall": float(r), "f1": float(f),
                              "support": int(s)}
@@ -37,6 +38,13 @@ def compute_metrics(logits: torch.Tensor, labels: torch.Tensor, class_names: lis
     if len(class_names) == 2:
         metrics["roc_auc"] = float(roc_auc_score(y_true, probs[:, 1]))
     return metrics
+
+
+def balanced_recall(recall, support) -> float:
+    """The mean recall over the classes that have images (scikit-learn's
+    balanced_accuracy_score, without its warning for a class never predicted)."""
+    present = [r for r, s in zip(recall, support, strict=True) if s > 0]
+    return float(sum(present) / len(present)) if present else 0.0
 
 
 def predictions_csv(paths: list[str], labels: torch.Tensor, logits: torch.Tensor,
