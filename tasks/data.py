@@ -55,7 +55,7 @@ def split_dataset(dataset: DatasetRef, split: SplitSpec, sides: dict[str, int] |
                   ) -> SplitResult:
     """Check every image and write the stratified, stable train/val/test manifest.
 
-    With `sides` (split -> side, `training.data.cache.split_sides`), the check is also the
+    With `sides` (split -> side, `training.data.sides.split_sides`), the check is also the
     training's decode: each image is decoded once, and the training launch decodes nothing.
     """
     logger = run_logger()
