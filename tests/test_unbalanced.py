@@ -64,7 +64,8 @@ def test_a_weighted_run_keeps_the_epoch_best_on_balanced_accuracy(unbalanced, tm
     """A real 2-process launch: the balanced loss, and the epoch chosen on the val figure of
     the gate's metric."""
     job = TrainJob(split=unbalanced, output_dir=tmp_path / "train", metric="balanced_accuracy",
-                   training={"class_weights": "balanced", "epochs": 2, "image_size": 16})
+                   training={"class_weights": "balanced", "epochs": 2, "image_size": 16,
+                             "choose_min_val_images": 1})
     result = run_training(job, LOG, resume=False)
     assert result.world_size == 2
     assert result.chosen_by == "val_balanced_accuracy~val_loss"
