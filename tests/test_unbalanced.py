@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from tasks.evaluate import run_evaluation
 from tasks.train import imbalance_warning, run_training
 from tests.imagegen import write_folder_layout
 from training.config import DatasetSpec, RegistrySpec, SplitSpec, TrainingSpec
@@ -66,12 +67,16 @@ def test_a_weighted_run_keeps_the_epoch_best_on_balanced_accuracy(unbalanced, tm
     job = TrainJob(split=unbalanced, output_dir=tmp_path / "train", metric="balanced_accuracy",
                    training={"class_weights": "balanced", "epochs": 2, "image_size": 16,
                              "choose_min_val_images": 1})
-    result = run_training(job, LOG, resume=False)
+    result = run_training(job, LOG, resume=False, evaluate_into=tmp_path / "evaluation")
     assert result.world_size == 2
     assert result.chosen_by == "val_balanced_accuracy~val_loss"
     assert all(0 <= h.val_balanced_accuracy <= 1 for h in result.history)
     params = [e for e in _events(job) if e.event == "params"][0].params
     assert params["class_weights"] == "balanced"
+    # What the gate compares and MLflow logs as test_balanced_accuracy.
+    evaluation = run_evaluation(result, tmp_path / "evaluation", LOG)
+    recalls = [figures.recall for figures in evaluation.per_class.values()]
+    assert evaluation.metrics["balanced_accuracy"] == pytest.approx(sum(recalls) / 3)
 
 
 def _events(job: TrainJob):
