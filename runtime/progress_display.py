@@ -133,7 +133,6 @@ class LaunchProgress:
                  on_fraction: Callable[[float], None] = lambda share: None,
                  terminal: bool | None = None, every_s: float | None = None):
         self.display = PhaseProgress(logger, every_s=every_s, terminal=terminal)
-        self.unit = "steps"
         self.epochs, self.on_fraction = epochs, on_fraction
         self.world = 1
         self._told = 0.0
@@ -144,7 +143,7 @@ class LaunchProgress:
         elif isinstance(event, Heartbeat) and event.rank == 0 and event.total:
             # Steps of a batch on every rank, or (decoding, scoring) images counted directly.
             counted = event.phase.startswith(COUNTED_IN_IMAGES)
-            self.display.unit = "images" if counted else self.unit
+            self.display.unit = "images" if counted else "steps"
             self.display.images_per_step = (event.images * self.world if event.images
                                             else None)
             name = (f"epoch {event.epoch}/{self.epochs} {event.phase}"
