@@ -5,12 +5,11 @@
 
 Each set is trained once per seed with the product's launch (`tasks.train.run_training`, 2
 processes) for every epoch; each epoch's weights (its checkpoint) are scored on held-out
-images in neither split. The rules are then replayed on the run's own validation history:
-- `val_accuracy`: auto's rule when the gate compares accuracy (`training.engine.checkpoint.
-  better`: the highest val figure, exact ties by val loss);
-- `val_loss`: the lowest val loss, auto's rule before;
-- `within noise`: a rule tried and measured here: the val figure, but of two epochs within one
-  binomial standard error of the val split, the lower val loss.
+images in neither split. The rules are then replayed on the run's own validation history
+(`training.engine.checkpoint.better`, the code the launch runs):
+- `val_accuracy~val_loss`: today's auto: the val figure of the gate's metric (accuracy), and
+  within the val split's binomial noise the lower val loss;
+- `val_loss`: the rule before it; `val_accuracy`: the rule before that (exact ties by loss).
 Sets: bench.quality's generated ones (resnet18 at 32 px, 8 epochs) and flowers-128's real
 photos (resnet18 at 64 px, 8 epochs; its 20% held out as bench.transfer holds it out).
 """
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import shutil
 import statistics
@@ -37,7 +35,7 @@ from training.engine.checkpoint import better
 from training.handoff import TrainJob
 
 LOG = logging.getLogger("bench-epoch-rule")
-RULES = ("val_accuracy", "val_loss", "within noise")
+RULES = ("val_accuracy~val_loss", "val_loss", "val_accuracy")
 SETS = {
     "digits-photo": ({}, lambda folder, held: digits_photo(folder, held)),
     "shapes": ({}, lambda folder, held: shapes(folder, held)),
@@ -47,21 +45,11 @@ SETS = {
 }
 
 
-def within_noise(figures: dict, best: dict) -> bool:
-    """The rule tried beside the product's: val accuracy beyond one binomial standard error
-    of the val split (at least one image), else the lower val loss."""
-    n = figures["val_images"]
-    noise = max(math.sqrt(best["val_accuracy"] * (1 - best["val_accuracy"]) / n), 1 / n)
-    gain = figures["val_accuracy"] - best["val_accuracy"]
-    return gain > 0 if abs(gain) > noise else figures["val_loss"] < best["val_loss"]
-
-
 def kept(history: list[dict], rule: str) -> int:
     """The epoch `rule` keeps, replayed as the launch decides it: epoch by epoch."""
     best = None
     for figures in history:
-        if best is None or (within_noise(figures, best) if rule == "within noise"
-                            else better(figures, best, rule)):
+        if best is None or better(figures, best, rule):
             best = figures
     return best["epoch"]
 

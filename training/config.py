@@ -435,10 +435,11 @@ class TrainingSpec(Spec):
     choose_epoch: Annotated[Literal["auto", "val_loss", "val_accuracy", "last"],
                             Role.RECIPE] = Field(
         "auto", description="Which epoch's weights are kept. auto: the best on the val figure "
-        "of the metric the gate compares (registry.metric), exact ties by val loss; the last "
-        "epoch when the val split has fewer than choose_min_val_images images, where any "
-        "choice is noise. val_loss: the lowest validation loss; val_accuracy: the highest "
-        "accuracy, exact ties by loss; last: the last epoch.")
+        "of the metric the gate compares (registry.metric), and of epochs within the val "
+        "split's binomial noise of each other the one with the lower val loss; the last epoch "
+        "when the val split has fewer than choose_min_val_images images, where any choice is "
+        "noise. val_loss: the lowest validation loss; val_accuracy: the highest accuracy, "
+        "exact ties by loss; last: the last epoch.")
     choose_min_val_images: Annotated[int, Role.RECIPE] = Field(
         100, ge=0, description="With choose_epoch auto: the smallest val split the epoch is "
         "chosen on; below it the last epoch is kept, and the run says why.")

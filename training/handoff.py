@@ -133,7 +133,9 @@ class TrainResult(BaseModel):
         if self.chosen_by == "last":
             return (f"the last: the val split's {self.job.split.size('val')} images are too few "
                     "to choose on (training.choose_min_val_images)")
-        return f"by {self.chosen_by.replace('_', ' ')}"
+        figure, ties, by = self.chosen_by.partition("~")
+        within = f"; within the val split's noise, by {by.replace('_', ' ')}" if ties else ""
+        return f"by {figure.replace('_', ' ')}{within}"
     mlflow_unsent: int = 0
     test_dir: Path | None = None
     """Set when the launch also predicted the test split with the best weights (its ranks were

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,14 +69,32 @@ class TrainerState:
         return False
 
 
+TIES_BY = "~"
+"""In a rule "val_<figure>~val_loss": the figure decides, and where two epochs' figures differ
+by no more than the val split's binomial noise, the lower val loss does."""
+
+
 def better(metrics: dict, best: dict, by: str = "val_accuracy") -> bool:
-    """By "val_loss": lower loss wins. By "val_<figure>" (accuracy, macro_f1, ...): the higher
-    figure, on an exact tie the lower loss. By "last": the newer epoch."""
+    """By "val_loss": lower loss wins. By "val_accuracy": higher accuracy, on a tie lower loss.
+    By "val_<figure>~val_loss": a higher figure beyond the noise of the val split, within it
+    the lower loss (`noise`). By "last": the newer epoch."""
     if by == "last":
         return True
+    if TIES_BY in by:
+        figure = by.partition(TIES_BY)[0]
+        gain = metrics[figure] - best[figure]
+        if abs(gain) > noise(best[figure], metrics["val_images"]):
+            return gain > 0
+        return metrics["val_loss"] < best["val_loss"]
     if by != "val_loss" and metrics[by] != best[by]:
         return metrics[by] > best[by]
     return metrics["val_loss"] < best["val_loss"]
+
+
+def noise(share: float, images: int) -> float:
+    """One binomial standard error of a share measured on `images` images, at least one image:
+    the difference two epochs' val figures can show by the luck of the split alone."""
+    return max(math.sqrt(max(share * (1 - share), 0.0) / max(images, 1)), 1 / max(images, 1))
 
 
 class Checkpointer:
