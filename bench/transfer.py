@@ -161,6 +161,8 @@ def main() -> None:
     parser.add_argument("--per-class", type=int, default=150, help="generated photos per class")
     parser.add_argument("--side", type=int, default=128)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="run seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--epochs", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--ours", action="append", default=[], metavar="NAME=JSON",
                         help="a setting of ours to measure beside the defaults")
@@ -193,7 +195,7 @@ def main() -> None:
         weights = imagenet_weights()
         last = max(args.epochs)
         rows: dict[str, list[tuple[float, float]]] = {}
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             if not args.no_hand:
                 accuracies, wall = by_hand(split, last, weights, seed, args.side)
                 for epochs in args.epochs:
@@ -209,7 +211,7 @@ def main() -> None:
                                                for k, v in rows.items()), flush=True)
         print(f"\n{args.data}: {split.size('train')} train / {split.size('val')} val / "
               f"{split.size('test')} held-out test images, {args.side} px, "
-              f"{os.cpu_count()} cores, seeds 0-{args.seeds - 1}\n")
+              f"{os.cpu_count()} cores, seeds {args.first_seed}-{args.first_seed + args.seeds - 1}\n")
         print("| | test accuracy, median (seeds) | wall s, median |\n|---|---|---|")
         for name, runs in sorted(rows.items(), key=lambda r: (r[0].split(", ")[1], r[0])):
             walls = [w for _, w in runs if w == w]
