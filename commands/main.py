@@ -3,6 +3,7 @@
     trainflow train [--training.epochs 5 ...] [--config FILE.yaml] [--json]   # train-flow here
     trainflow run DEPLOYMENT [--training.epochs 2 ...] [--watch]   # through a worker
     trainflow sweep --search_space '{"lr": {"log_uniform": [1e-4, 0.1]}}' [--n_trials 8 ...]
+    trainflow audit SOURCE [--output audit.json]   # duplicates, wrong labels, outliers
     trainflow predict IMAGE... [--model NAME --alias champion]
     trainflow champion MODEL_NAME VERSION [--reason "..."]   # rollback, or a person's choice
     trainflow rerun MODEL_NAME VERSION [--deployment train-flow/digits]
@@ -19,7 +20,7 @@ import importlib
 import sys
 
 COMMANDS = {"train": "commands.train:train", "run": "commands.train:run",
-            "sweep": "commands.train:sweep",
+            "sweep": "commands.train:sweep", "audit": "commands.audit:main",
             "predict": "commands.predict:main", "champion": "commands.champion:main",
             "rerun": "commands.rerun:main", "services": "commands.services_command:main",
             "work-pool": "commands.work_pool:main", "notify": "commands.notify:main"}

@@ -29,7 +29,15 @@ from tasks.register import register_model
 from tasks.review import review_version
 from tasks.sweep import SweepSummary, run_trials
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run
-from training.config import DatasetSpec, Distribution, RegistrySpec, SplitSpec, SweepSpec, TrainingSpec
+from training.config import (
+    AuditSpec,
+    DatasetSpec,
+    Distribution,
+    RegistrySpec,
+    SplitSpec,
+    SweepSpec,
+    TrainingSpec,
+)
 from training.data.sides import split_sides
 
 
@@ -42,12 +50,13 @@ class SweepResult(BaseModel):
 
 # Parameters are validated in resolve_parameters, after the deployment's are laid under them.
 @flow(name="sweep-flow", log_prints=True, validate_parameters=False)
-def sweep_flow(
+def sweep_flow(  # noqa: PLR0913  (its parameters are the deployment form's fields)
     dataset: DatasetSpec,
     search_space: dict[str, Distribution],
     split: SplitSpec = SplitSpec(),  # noqa: B008  (frozen pydantic models: safe defaults)
     training: TrainingSpec = TrainingSpec(),  # noqa: B008
     registry: RegistrySpec = RegistrySpec(),  # noqa: B008
+    audit: AuditSpec = AuditSpec(),  # noqa: B008
     n_trials: int = 8,
     max_concurrency: int = 1,
     budget_s: float | None = None,
@@ -56,14 +65,14 @@ def sweep_flow(
 ) -> SweepResult:
     end_with_worker()  # runtime/infrastructure.py: a worker's flow runs end with it
     specs = resolve_parameters({"dataset": dataset, "split": split, "training": training,
-                                "registry": registry})
-    dataset, split, training, registry = (specs[k] for k in BLOCKS)
+                                "registry": registry, "audit": audit})
+    dataset, split, training, registry, audit = (specs[k] for k in BLOCKS)
     sweep = SweepSpec(search_space=search_space, n_trials=n_trials,
                       max_concurrency=max_concurrency, budget_s=budget_s,
                       pruning_warmup_epochs=pruning_warmup_epochs)
     training = check_before_start(dataset, training)
     source = prepare_dataset(dataset)
-    data = split_dataset(source, split, split_sides(training))
+    data = split_dataset(source, split, split_sides(training), audit)
     run_id = open_mlflow_run(lineage_tags(dataset, split, training, registry, source, data), data,
                              flow_name="sweep-flow")
     with failing_with_the_flow(run_id):

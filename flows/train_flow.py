@@ -30,7 +30,7 @@ from tasks.report import publish_report
 from tasks.review import Review, review_version
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run, run_url
 from tasks.train import bring_outputs_here, train_model
-from training.config import DatasetSpec, RegistrySpec, RetrainSpec, SplitSpec, TrainingSpec
+from training.config import AuditSpec, DatasetSpec, RegistrySpec, RetrainSpec, SplitSpec, TrainingSpec
 from training.data.sides import split_sides
 from training.handoff import TrainResult
 from training.storage import home, tracking_uri
@@ -57,16 +57,17 @@ def train_flow(
     split: SplitSpec = SplitSpec(),  # noqa: B008  (frozen pydantic models: safe defaults)
     training: TrainingSpec = TrainingSpec(),  # noqa: B008
     registry: RegistrySpec = RegistrySpec(),  # noqa: B008
+    audit: AuditSpec = AuditSpec(),  # noqa: B008
     force: bool = False,
     retrain: RetrainSpec = RetrainSpec(),  # noqa: B008  (read by watch-data, not by the run)
 ) -> FlowResult:
     end_with_worker()  # runtime/infrastructure.py: a worker's flow runs end with it
     specs = resolve_parameters({"dataset": dataset, "split": split, "training": training,
-                                "registry": registry})
-    dataset, split, training, registry = (specs[k] for k in BLOCKS)
+                                "registry": registry, "audit": audit})
+    dataset, split, training, registry, audit = (specs[k] for k in BLOCKS)
     training = check_before_start(dataset, training)
     source = prepare_dataset(dataset)
-    data = split_dataset(source, split, split_sides(training))
+    data = split_dataset(source, split, split_sides(training), audit)
     bring_data_here(source, data)  # a retry on another machine: the files of the stages above
     lineage = lineage_tags(dataset, split, training, registry, source, data)
     if not force and (version := find_unchanged_champion(registry.model_name, lineage)):

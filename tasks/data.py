@@ -17,7 +17,7 @@ from runtime.remote import (
     restore_split,
 )
 from tasks import RESUMABLE, run_logger
-from training.config import DatasetSpec, SplitSpec
+from training.config import AuditSpec, DatasetSpec, SplitSpec
 from training.data.kaggle import KaggleCredentials
 from training.data.sources import DatasetRef, prepare
 from training.data.split import SplitResult
@@ -51,16 +51,25 @@ def prepare_dataset(dataset: DatasetSpec) -> DatasetRef:
 
 
 @task(**RESUMABLE)
-def split_dataset(dataset: DatasetRef, split: SplitSpec, sides: dict[str, int] | None = None
+def split_dataset(dataset: DatasetRef, split: SplitSpec, sides: dict[str, int] | None = None,
+                  audit: AuditSpec = AuditSpec()  # noqa: B008  (frozen: a safe default)
                   ) -> SplitResult:
-    """Check every image and write the stratified, stable train/val/test manifest.
+    """Check and audit every image and write the stratified, stable train/val/test manifest.
 
     With `sides` (split -> side, `training.data.sides.split_sides`), the check is also the
     training's decode: each image is decoded once, and the training launch decodes nothing.
+    The audit (training/data/audit.py) keeps duplicates on one side of the split.
     """
     logger = run_logger()
     with decode_progress(logger) as on_progress:
-        result = make_split(dataset, split, home(), sides, on_progress)
+        result = make_split(dataset, split, home(), sides, on_progress, audit)
+    if result.audit is not None:
+        logger.info("%s: see %s", result.audit.summary, result.audit.file)
+        if result.audit.label_issue_share > audit.max_label_issue_share:
+            logger.warning("%.1f%% of the images look mislabelled (over "
+                           "audit.max_label_issue_share=%s): check the label_issue rows of %s "
+                           "before trusting the test figures", 100 * result.audit.label_issue_share,
+                           audit.max_label_issue_share, result.audit.file)
     logger.info("manifest %s: %s", result.manifest,
                 {name: sum(c.values()) for name, c in result.counts.items()})
     if sides:

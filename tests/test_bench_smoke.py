@@ -23,6 +23,7 @@ def test_bench_runs_on_a_tiny_setting():
     assert "ours/baseline images/s" in done.stdout and "of the ceiling" in done.stdout
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_the_gpu_benchmark_runs_in_its_cpu_mode():
     """bench/gpu.py must work the day a GPU machine is lent: its reduced mode runs here."""

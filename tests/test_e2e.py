@@ -804,6 +804,7 @@ def test_a_killed_worker_crashes_its_run_and_a_new_worker_finishes_it(stack):
     assert_finished_once(stack, "worker-kill", flow_run_id)
 
 
+@pytest.mark.extended  # the window it waits out is minutes; CI keeps the killed-worker case
 def test_a_lost_machine_is_crashed_by_its_heartbeats_and_retried_to_completion(stack):
     """The whole process tree of a flow run (worker, flow run, launcher, ranks) is frozen and
     SIGKILLed: no Python is left to report. The heartbeat automation marks the run Crashed

@@ -199,6 +199,20 @@ class DatasetSpec(Spec):
         return kind, ref
 
 
+class AuditSpec(Spec):
+    """The data audit run with every split (training/data/audit.py): duplicates, likely wrong
+    labels and outliers, and duplicate groups kept on one side of the split."""
+
+    enabled: bool = Field(True, description="Audit the images on every run; false skips it.")
+    leakage: Literal["report", "quarantine"] = Field(
+        "report", description="A duplicate group already on both sides of the split (placed "
+        "before the audit, or given split that way): report it, or quarantine its train and val "
+        "copies (left out of training and recorded in audit.json).")
+    max_label_issue_share: float = Field(
+        0.05, ge=0, le=1, description="Warn when more than this share of the images look "
+        "mislabelled.")
+
+
 class SplitSpec(Spec):
     """Stratified, seeded train/val/test split."""
 
@@ -727,8 +741,9 @@ def check_search_space(space: dict[str, Distribution]) -> dict[str, Distribution
 
 
 BLOCKS: dict[str, type[Spec]] = {"dataset": DatasetSpec, "split": SplitSpec,
-                                 "training": TrainingSpec, "registry": RegistrySpec}
-"""The flows' four parameter blocks, by their public names."""
+                                 "training": TrainingSpec, "registry": RegistrySpec,
+                                 "audit": AuditSpec}
+"""The flows' parameter blocks, by their public names."""
 
 
 def as_fields(value: Any) -> Any:
@@ -775,7 +790,7 @@ def problems_of(error: ValidationError, block: str | None = None) -> list[str]:
 
 
 def validate_blocks(params: dict[str, Any]) -> dict[str, Spec]:
-    """The four parameter blocks validated, every problem of every block reported at once."""
+    """The parameter blocks validated, every problem of every block reported at once."""
     specs, problems = {}, []
     for name, model in BLOCKS.items():
         try:

@@ -20,6 +20,18 @@ from training.config import Spec, TrainingSpec
 from training.engine.events import EpochMetrics
 
 
+class AuditResult(BaseModel):
+    """What the data audit found (training/data/audit.py), beside the split it shaped."""
+
+    file: Path
+    """audit.json: every finding, one object per image"""
+    counts: dict[str, int]
+    """audit_duplicate_groups, audit_leaks, audit_label_issues, audit_outliers,
+    audit_quarantined: the run's metrics"""
+    summary: str
+    label_issue_share: float
+
+
 class SplitResult(BaseModel):
     """The manifest and what every later stage needs to know about the data in it."""
 
@@ -35,6 +47,8 @@ class SplitResult(BaseModel):
     """The folder the manifest's paths are relative to."""
     given_splits: dict[str, str] | None = None
     """{folder: split} when the data came split and the splits were kept (split.respect_given)."""
+    audit: AuditResult | None = None
+    """None when `audit.enabled` is false."""
     decoded_only: bool = False
     """True on a machine that fetched the split from the remote root: the images are not here,
     and the decode stores hold a row for every file of the manifest."""

@@ -21,12 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from trainflow_serving.images import Geometry, as_geometry
-from training.config import SplitSpec
+from training.config import AuditSpec, SplitSpec
+from training.data.audit import AuditReport, audit_split
 from training.data.images import ImageCheck, check_image
 from training.data.labels import DatasetError, given_splits
 from training.data.sources import TABLE_LABELS, DatasetRef, labelled_files
 from training.data.store import DecodeStore, compact, decode_into_stores, prune_stores
-from training.handoff import SplitResult
+from training.handoff import AuditResult, SplitResult
 from training.storage import file_lock, write_json_atomic, write_text_atomic
 
 SPLITS = ("train", "val", "test")
@@ -51,8 +52,8 @@ def check_images(root: Path, relpaths: list[str]) -> list[ImageCheck]:
 def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path,
                   sides: dict[str, Geometry | int] | None = None,
                   on_progress: Callable[[int, int], None] = lambda done, total: None,
-                  ) -> SplitResult:
-    """Check every image and write the manifest.
+                  audit: AuditSpec | None = None) -> SplitResult:
+    """Check every image, audit them (`audit`, training/data/audit.py), write the manifest.
 
     With `sides` (split -> the geometry a training decodes it at), the check is the
     training's decode: each image is decoded once, at its split's side, into the decode store
@@ -63,13 +64,22 @@ def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path,
     # One writer per split folder: its ledger is read, extended and written again, so two
     # first runs (or two data versions) at once would each drop the other's assignments.
     with file_lock(folder.parent / f".{folder.name}.lock"):
-        return _split_under_lock(ref, spec, folder, sides, on_progress)
+        return _split_under_lock(ref, spec, folder, sides, on_progress, audit)
+
+
+def version_folder(ref: DatasetRef, audit: AuditSpec | None) -> str:
+    """One folder per data version and audit policy: quarantine changes the manifest."""
+    if audit is None or not audit.enabled:
+        return ref.fingerprint[:16]
+    policy = hashlib.sha256(audit.model_dump_json().encode()).hexdigest()[:6]
+    return f"{ref.fingerprint[:16]}-audit-{policy}"
 
 
 def _split_under_lock(ref: DatasetRef, spec: SplitSpec, folder: Path,
                       sides: dict[str, Geometry | int] | None,
-                      on_progress: Callable[[int, int], None]) -> SplitResult:
-    out = folder / ref.fingerprint[:16]
+                      on_progress: Callable[[int, int], None],
+                      audit: AuditSpec | None) -> SplitResult:
+    out = folder / version_folder(ref, audit)
     if (out / "summary.json").is_file() and (out / "manifest.csv").is_file():
         # The fingerprint covers every file's content, so the checks and the assignment would
         # come out the same: a scheduled retrain on unchanged data decodes nothing here.
@@ -108,12 +118,20 @@ def _split_under_lock(ref: DatasetRef, spec: SplitSpec, folder: Path,
         _check_class_sizes(ref, by_class, spec)
     # With every image readable, the assignment is the hoped one (the same inputs).
     assignment = hoped if hoped is not None and not bad else _assign(good, ledger, spec, given)
+    report = None
+    if audit is not None and audit.enabled:
+        # A split that came given is never changed: its leaks are reported or quarantined.
+        placed = set(ledger) | ({rel for rel, _ in good} if given is not None else set())
+        assignment, report = audit_split(ref.root, good, assignment, placed,
+                                         lambda rel: hash_order(spec.seed, rel),
+                                         audit.leakage == "quarantine", on_progress)
     if given is not None:
         _check_given_splits(ref, good, assignment)
-    if sides and bad:
+    if sides and assignment != hoped:
         decode_into_stores(ref.root, _by_side(assignment, sides), folder, on_progress)
 
-    rows = sorted((rel, label, assignment[rel]) for rel, label in good)
+    left_out = set(report.quarantined) if report else set()
+    rows = sorted((rel, label, assignment[rel]) for rel, label in good if rel not in left_out)
     manifest_text = _manifest_csv(rows)
     counts = {s: dict(sorted(Counter(lbl for _, lbl, sp in rows if sp == s).items())) for s in SPLITS}
     # Ledger first: if we die after it, a re-run reproduces the same manifest from it.
@@ -132,10 +150,18 @@ def _split_under_lock(ref: DatasetRef, spec: SplitSpec, folder: Path,
         channels=channels,
         root=ref.root,
         given_splits=given,
+        audit=_write_audit(out, report, audit) if report is not None and audit else None,
     )
     write_json_atomic(out / "summary.json", result.model_dump(mode="json"))
     clean_up(folder, keep=good_paths)
     return result
+
+
+def _write_audit(out: Path, report: AuditReport, audit: AuditSpec) -> AuditResult:
+    path = out / "audit.json"
+    write_json_atomic(path, {"policy": audit.model_dump(), **report.model_dump(mode="json")})
+    return AuditResult(file=path, counts=report.counts(), summary=report.summary(),
+                       label_issue_share=report.count("label_issue") / max(1, report.images))
 
 
 def _decode_checked(root: Path, pairs: list[tuple[str, str]], wanted: dict[int, list[str]],
