@@ -23,6 +23,13 @@ def how_split(split: SplitResult) -> str:
 
 
 @task
+def audit_line(split: SplitResult) -> str:
+    if split.audit is None:
+        return ""
+    return (f"\n\n**Data audit** {split.audit.summary}: `audit/audit.json` in the MLflow run "
+            "lists every image found.")
+
+
 def publish_report(dataset: DatasetRef, split: SplitResult, trained: TrainResult,
                    evaluation: Evaluation, registration: Registration, mlflow_run_id: str) -> str:
     """A markdown artifact on the flow run: data, split, best epoch, test metrics, decision."""
@@ -32,7 +39,7 @@ def publish_report(dataset: DatasetRef, split: SplitResult, trained: TrainResult
 
 **Dataset** `{dataset.source}`: {dataset.image_count} images, {len(dataset.class_names)} classes,
 fingerprint `{dataset.fingerprint[:12]}`; split {counts} ({how_split(split)}); quarantined
-{split.quarantined}.
+{split.quarantined}.{audit_line(split)}
 
 **Training** world size {trained.world_size}, kept epoch {trained.best_epoch} of
 {len(trained.history)}, chosen {trained.how_chosen()} (val accuracy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -51,6 +52,16 @@ def test_full_flow_on_digits(prefect_engine, session_home):
     assert contexts["test"].name == "builtin:digits test"
     assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics)
     assert "# train-flow result" in run.data.tags["mlflow.note.content"]
+    # The data audit, on by default: its findings beside the run, its counts as metrics.
+    assert "**Data audit** audit of 1797 images" in run.data.tags["mlflow.note.content"]
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "audit")} == {
+        "audit/audit.json"}
+    (session_home / "audit-download").mkdir(exist_ok=True)
+    audit = json.loads(Path(client.download_artifacts(
+        run.info.run_id, "audit/audit.json", str(session_home / "audit-download"))).read_text())
+    assert run.data.metrics["audit_label_issues"] == sum(
+        f["kind"] == "label_issue" for f in audit["findings"])
+    assert run.data.metrics["audit_leaks"] == 0 and audit["images"] == 1797
     assert json.loads(run.data.tags[FLOW_PARAMETERS])["training"]["epochs"] == SMALL["epochs"]
     reg = result.registration
     version = client.get_model_version("flow-digits", reg.version)
