@@ -133,7 +133,8 @@ def review_version(source: DatasetRef, split: SplitResult, trained: TrainResult,
     figures = compare(truth, models, names)
     decision = registration.description()
     out = evaluation.output_dir.parent / "review"
-    write_review(out, decision, figures, paths, split.root, truth, models)
+    write_review(out, decision, figures, paths, split.root, truth, models,
+                 split.audit.file if split.audit else None)
     card = model_card(source, split, trained, evaluation, registration, figures, lineage)
     (out / "model_card.md").write_text(card)
     client = MlflowClient(tracking_uri())

@@ -17,6 +17,7 @@ from PIL import Image, ImageDraw
 from training.config import AuditSpec, DatasetSpec, SplitSpec
 from training.data.sources import prepare
 from training.data.split import read_manifest, split_dataset
+from training.evaluation.review import GALLERY, audit_section
 
 CLASSES = {"red": (200, 60, 50), "green": (50, 170, 70), "blue": (50, 80, 200)}
 
@@ -134,6 +135,10 @@ def test_copies_split_before_the_audit_are_reported_or_quarantined(tmp_path):
     assert reported.audit.counts["audit_leaks"] == len(spanning)
     leaks = [f for f in findings(reported) if f["kind"] == "leak"]
     assert {f["path"] for f in leaks} >= set(spanning)
+    # The review page's section: each group across the split with its thumbnails.
+    page = audit_section(reported.audit.file, folder)
+    assert page.count("<h3>Across splits") == min(GALLERY, len(spanning))
+    assert page.count('src="data:image/png;base64,') >= 2 * min(GALLERY, len(spanning))
 
     quarantined = split(folder, home, audit=AuditSpec(leakage="quarantine"))
     kept = sides(quarantined)

@@ -257,9 +257,49 @@ def _gallery(title: str, indices: list[int], paths: list[str], root: Path, truth
             + "".join(cards) + "</div>")
 
 
+def audit_section(audit_file: Path | None, root: Path) -> str:
+    """The data audit's findings with thumbnails: duplicate groups (across splits first),
+    likely wrong labels, outliers; GALLERY of each at most."""
+    if audit_file is None or not audit_file.is_file():
+        return ""
+    audit = json.loads(audit_file.read_text())
+    found = audit["findings"]
+
+    def card(f: dict) -> str:
+        said = (f"labelled <b>{html.escape(f['label'])}</b>"
+                + (f", looks like <b>{html.escape(f['suggested'])}</b>" if f["suggested"] else ""))
+        return (f'<figure class="g"><img src="{_thumbnail(root / f["path"])}" '
+                f'alt="{html.escape(f["path"])}"><figcaption>{said} ({html.escape(f["side"])})'
+                f"<br>{html.escape(f['reason'])}<br><small>{html.escape(f['path'])}</small>"
+                "</figcaption></figure>")
+
+    groups: dict[int, list[dict]] = {}
+    for f in found:
+        if f["kind"] in ("leak", "duplicate"):
+            groups.setdefault(f["group"], []).append(f)
+    ordered = sorted(groups.values(), key=lambda g: (g[0]["kind"] != "leak", g[0]["group"]))
+    parts = [f"<h2>Data audit</h2><p>{audit['images']} images audited; "
+             f"{len(groups)} duplicate groups, {len(audit['quarantined'])} copies quarantined "
+             f"(policy: {html.escape(json.dumps(audit['policy']))}). audit.json lists every "
+             "finding.</p>"]
+    for group in ordered[:GALLERY]:
+        title = ("Across splits" if group[0]["kind"] == "leak" else "Duplicates")
+        parts.append(f"<h3>{title}: group {group[0]['group']}</h3><div class=\"gallery\">"
+                     + "".join(card(f) for f in group) + "</div>")
+    for kind, title in (("label_issue", "Likely wrong labels"), ("outlier", "Outliers")):
+        rows = [f for f in found if f["kind"] == kind]
+        if rows:
+            more = f" (the first {GALLERY})" if len(rows) > GALLERY else ""
+            parts.append(f"<h3>{title}: {len(rows)}{more}</h3><div class=\"gallery\">"
+                         + "".join(card(f) for f in rows[:GALLERY]) + "</div>")
+    return "".join(parts)
+
+
 def write_review(out: Path, decision: str, figures: dict, paths: list[str], root: Path,
-                 truth: np.ndarray, models: list[ModelAnswers]) -> Path:
-    """review.json, reliability.png, confusion.png and review.html in `out`; the HTML's path."""
+                 truth: np.ndarray, models: list[ModelAnswers], audit: Path | None = None
+                 ) -> Path:
+    """review.json, reliability.png, confusion.png and review.html in `out`; the HTML's path.
+    With `audit` (the split's audit.json), the page ends with the data audit's findings."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "review.json").write_text(json.dumps({"decision": decision, **figures}, indent=1))
     reliability, confusion = reliability_png(figures, out / "reliability.png"), confusion_png(
@@ -312,6 +352,7 @@ if len(stats) == 2 else ''}.</p>
 <h2>Confusion</h2><img src="{_data_uri(confusion)}" alt="confusion matrices"
  style="max-width: 100%">
 {galleries}
+{audit_section(audit, root)}
 </body></html>
 """
     (out / "review.html").write_text(page)
