@@ -3,6 +3,7 @@
     trainflow audit ../photos                       # a folder, any layout train-flow reads
     trainflow audit kaggle:dogs-vs-cats --output audit.json
     trainflow audit ../photos --split.seed 7 --audit.leakage quarantine
+    trainflow audit ../photos --training.model mynets:pretrained_lite0   # labels on its backbone
 
 It prepares and splits the dataset exactly as train-flow would (the same home, ledger and
 split), so the sides it shows are the sides a run will use, and prints what the audit found:
@@ -18,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from training.config import AuditSpec, DatasetSpec, SplitSpec
+from training.config import AuditSpec, DatasetSpec, SplitSpec, TrainingSpec
 from training.data.labels import DatasetError
 
 
@@ -29,19 +30,29 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--split.seed", dest="seed", type=int, default=SplitSpec().seed)
     parser.add_argument("--audit.leakage", dest="leakage", choices=["report", "quarantine"],
                         default="report")
+    parser.add_argument("--training.model", dest="model", default=None,
+                        help="check labels on this network's starting backbone when it is "
+                        "pretrained (as train-flow's preflight finds it), not on thumbnails")
     parser.add_argument("--output", type=Path, help="also write audit.json here")
     parser.add_argument("--limit", type=int, default=40, help="findings printed (all: 0)")
     args = parser.parse_args(argv)
 
+    from tasks.data import starting_features
     from training.data.sources import prepare
     from training.data.split import split_dataset
+    from training.models.arrival import as_it_arrives
     from training.storage import home
 
     dataset = DatasetSpec(source=args.source, **({"labels": args.labels} if args.labels else {}))
+    features = None
+    if args.model:
+        resolved = as_it_arrives(TrainingSpec(model=args.model))
+        print("\n".join(resolved.notes))
+        features = starting_features(resolved.training)
     try:
         ref = prepare(dataset, home())
         result = split_dataset(ref, SplitSpec(seed=args.seed), home(),
-                               audit=AuditSpec(leakage=args.leakage))
+                               audit=AuditSpec(leakage=args.leakage), features=features)
     except DatasetError as e:
         sys.exit(f"trainflow audit: {e}")
     assert result.audit is not None

@@ -38,7 +38,6 @@ from training.config import (
     SweepSpec,
     TrainingSpec,
 )
-from training.data.sides import split_sides
 
 
 class SweepResult(BaseModel):
@@ -72,7 +71,7 @@ def sweep_flow(  # noqa: PLR0913  (its parameters are the deployment form's fiel
                       pruning_warmup_epochs=pruning_warmup_epochs)
     training = check_before_start(dataset, training)
     source = prepare_dataset(dataset)
-    data = split_dataset(source, split, split_sides(training), audit)
+    data = split_dataset(source, split, training, audit)
     run_id = open_mlflow_run(lineage_tags(dataset, split, training, registry, source, data), data,
                              flow_name="sweep-flow")
     with failing_with_the_flow(run_id):

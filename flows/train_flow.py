@@ -31,7 +31,6 @@ from tasks.review import Review, review_version
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run, run_url
 from tasks.train import bring_outputs_here, train_model
 from training.config import AuditSpec, DatasetSpec, RegistrySpec, RetrainSpec, SplitSpec, TrainingSpec
-from training.data.sides import split_sides
 from training.handoff import TrainResult
 from training.storage import home, tracking_uri
 
@@ -67,7 +66,7 @@ def train_flow(
     dataset, split, training, registry, audit = (specs[k] for k in BLOCKS)
     training = check_before_start(dataset, training)
     source = prepare_dataset(dataset)
-    data = split_dataset(source, split, split_sides(training), audit)
+    data = split_dataset(source, split, training, audit)
     bring_data_here(source, data)  # a retry on another machine: the files of the stages above
     lineage = lineage_tags(dataset, split, training, registry, source, data)
     if not force and (version := find_unchanged_champion(registry.model_name, lineage)):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import numpy as np
 from prefect import task
 
 from runtime.credentials import secret_block
@@ -17,8 +19,10 @@ from runtime.remote import (
     restore_split,
 )
 from tasks import RESUMABLE, run_logger
-from training.config import AuditSpec, DatasetSpec, SplitSpec
+from training.config import AuditSpec, DatasetSpec, SplitSpec, TrainingSpec
+from training.data.audit import Features
 from training.data.kaggle import KaggleCredentials
+from training.data.sides import split_sides
 from training.data.sources import DatasetRef, prepare
 from training.data.split import SplitResult
 from training.data.split import split_dataset as make_split
@@ -50,19 +54,35 @@ def prepare_dataset(dataset: DatasetSpec) -> DatasetRef:
     return ref
 
 
+def starting_features(training: TrainingSpec) -> Features | None:
+    """A fine-tune's backbone as the audit's label check features; None from scratch."""
+    if not training.starts_from_weights:
+        return None
+
+    def features(root: Path, paths: list[str]) -> np.ndarray:
+        from training.models.features import backbone_features
+
+        return backbone_features(training, root, paths)
+
+    return f"{training.model}'s starting backbone", features
+
+
 @task(**RESUMABLE)
-def split_dataset(dataset: DatasetRef, split: SplitSpec, sides: dict[str, int] | None = None,
+def split_dataset(dataset: DatasetRef, split: SplitSpec, training: TrainingSpec,
                   audit: AuditSpec = AuditSpec()  # noqa: B008  (frozen: a safe default)
                   ) -> SplitResult:
     """Check and audit every image and write the stratified, stable train/val/test manifest.
 
-    With `sides` (split -> side, `training.data.sides.split_sides`), the check is also the
-    training's decode: each image is decoded once, and the training launch decodes nothing.
-    The audit (training/data/audit.py) keeps duplicates on one side of the split.
+    The check is also the training's decode: each image is decoded once, at the side its
+    split is trained or evaluated at, and the training launch decodes nothing. The audit
+    (training/data/audit.py) keeps duplicates on one side of the split; a fine-tune's label
+    check reads its starting backbone's features.
     """
     logger = run_logger()
+    sides = split_sides(training)
     with decode_progress(logger) as on_progress:
-        result = make_split(dataset, split, home(), sides, on_progress, audit)
+        result = make_split(dataset, split, home(), sides, on_progress, audit,
+                            starting_features(training))
     if result.audit is not None:
         logger.info("%s: see %s", result.audit.summary, result.audit.file)
         if result.audit.label_issue_share > audit.max_label_issue_share:
@@ -72,10 +92,8 @@ def split_dataset(dataset: DatasetRef, split: SplitSpec, sides: dict[str, int] |
                            audit.max_label_issue_share, result.audit.file)
     logger.info("manifest %s: %s", result.manifest,
                 {name: sum(c.values()) for name, c in result.counts.items()})
-    if sides:
-        folder = result.manifest.parent.parent
-        logger.info("decoded images: %.1f MB in %s", store_bytes(folder) / 1e6,
-                    folder / "decoded")
+    folder = result.manifest.parent.parent
+    logger.info("decoded images: %.1f MB in %s", store_bytes(folder) / 1e6, folder / "decoded")
     if result.quarantined:
         logger.warning("%d unreadable images quarantined: see %s", result.quarantined,
                        result.manifest.parent / "quarantine.json")

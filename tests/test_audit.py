@@ -8,13 +8,14 @@ import json
 import random
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from training.config import AuditSpec, DatasetSpec, SplitSpec
+from training.config import AuditSpec, DatasetSpec, SplitSpec, TrainingSpec
 from training.data.sources import prepare
 from training.data.split import read_manifest, split_dataset
 from training.evaluation.review import GALLERY, audit_section
@@ -217,3 +218,54 @@ def test_trainflow_audit_reports_a_folder_before_any_training(tmp_path):
     assert "red/000-copy.png" in done.stdout
     written = json.loads((tmp_path / "audit.json").read_text())
     assert {f["path"] for f in written["findings"]} == {"red/000.png", "red/000-copy.png"}
+
+
+BACKBONE = textwrap.dedent("""
+    from pathlib import Path
+
+    import torch
+    from torch import nn
+
+    WEIGHTS = Path(__file__).with_name("weights.pt")
+
+    def network():
+        return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+                             nn.Flatten(), nn.Linear(256, 10))
+
+    def pretrained(num_classes):
+        loaded = network()
+        loaded.load_state_dict(torch.load(WEIGHTS, weights_only=True))
+        loaded[-1] = nn.Linear(256, num_classes)
+        return loaded
+""")
+
+
+def test_a_fine_tune_checks_labels_on_its_starting_backbone(tmp_path, monkeypatch):
+    import torch
+
+    from tasks.data import starting_features
+    from tests.user_code import install_package
+
+    install_package(tmp_path / "code", monkeypatch, "auditnets", {"nets": BACKBONE})
+    from auditnets.nets import WEIGHTS, network
+
+    torch.manual_seed(3)
+    torch.save(network().state_dict(), WEIGHTS)
+    folder = tmp_path / "data"
+    write_scenes(folder, 40)
+    flipped = set()
+    for label, other in (("red", "green"), ("green", "blue"), ("blue", "red")):
+        for i in (5, 6):
+            (folder / other / f"{label}-{i:03d}.png").write_bytes(
+                (folder / label / f"{i:03d}.png").read_bytes())
+            (folder / label / f"{i:03d}.png").unlink()
+            flipped.add(f"{other}/{label}-{i:03d}.png")
+    spec = TrainingSpec(model="auditnets.nets:pretrained", pretrained=True, image_size=32)
+    ref = prepare(DatasetSpec(source=str(folder)), tmp_path / "home")
+    result = split_dataset(ref, SplitSpec(), tmp_path / "home", audit=AUDIT,
+                           features=starting_features(spec))
+    audit = json.loads(result.audit.file.read_text())
+    assert audit["label_features"] == "auditnets.nets:pretrained's starting backbone"
+    assert audit["label_check_accuracy"] >= 0.8
+    issues = [f["path"] for f in audit["findings"] if f["kind"] == "label_issue"]
+    assert set(issues[:2 * len(flipped)]) >= flipped

@@ -13,9 +13,10 @@ duplicates on one side (training/data/split.py), and writes what it found as a f
   A crop of the original is then compared with the copy's whole, which a single hash of each
   misses (a 5% crop moves a 64-bit perceptual hash by ~10 bits, unrelated photos' by ~32).
 - Likely wrong labels: cleanlab's `find_label_issues` on out-of-sample class probabilities
-  (5-fold linear discriminants on each image's 8x8 thumbnail), ranked by self-confidence.
-  Thumbnails tell digits and simple shapes apart, not most photos: where they are right less
-  than LABEL_CHECK_ACCURACY of the time the check says so and names nothing.
+  (5-fold linear discriminants), ranked by self-confidence. What they classify: the backbone
+  a fine-tune starts from (training/models/features.py), else each image's 8x8 thumbnail.
+  Thumbnails tell digits and simple shapes apart, not most photos: where the classifier is
+  right less than LABEL_CHECK_ACCURACY of the time the check says so and names nothing.
 - Outliers: near-constant frames and sizes or aspects far from the rest of the set.
 
 Nothing is dropped or relabelled here: the split keeps groups together and, only with
@@ -100,6 +101,8 @@ class AuditReport(BaseModel):
     moved: int = 0
     """new images placed on their duplicates' side rather than their own draw's"""
     quarantined: list[str] = []
+    label_features: str = "8x8 thumbnails"
+    """What the label check classified: thumbnails, or a fine-tune's starting backbone."""
     label_check_accuracy: float | None = None
     """How often the label check's out-of-sample classifier was right; under
     LABEL_CHECK_ACCURACY its doubts are not reported (None: not run)."""
@@ -122,8 +125,8 @@ class AuditReport(BaseModel):
         accuracy = self.label_check_accuracy
         labels = (f"{c['audit_label_issues']} likely wrong labels" if accuracy is None
                   or accuracy >= LABEL_CHECK_ACCURACY else
-                  f"labels not checked (thumbnails tell the classes apart {accuracy:.0%} of the "
-                  f"time, under {LABEL_CHECK_ACCURACY:.0%})")
+                  f"labels not checked ({self.label_features} tell the classes apart "
+                  f"{accuracy:.0%} of the time, under {LABEL_CHECK_ACCURACY:.0%})")
         return (f"audit of {self.images} images: {c['audit_duplicate_groups']} duplicate groups "
                 f"({c['audit_leaks']} across splits, {len(self.quarantined)} copies "
                 f"quarantined), {self.moved} new images kept beside their duplicates, {labels}, "
@@ -255,10 +258,12 @@ def _nearest_view(views: np.ndarray, whole: np.ndarray, others: np.ndarray,
     return np.minimum(mine, theirs)
 
 
-def label_issues(looks: dict[str, Look], labels: dict[str, str], seed: int = 0
+def label_issues(looks: dict[str, Look], labels: dict[str, str],
+                 features: np.ndarray | None = None, seed: int = 0
                  ) -> tuple[list[Finding], float | None]:
     """Images whose out-of-sample probabilities doubt their label, likeliest first, and how
     often those probabilities were right (None: too few images of some class to tell).
+    `features`: one row per image in path order (a backbone's); else the thumbnails.
 
     No findings when that is under LABEL_CHECK_ACCURACY: a classifier that misreads many
     right labels would name them all (on flowers-128 thumbnails: 46%, 1,749 "issues")."""
@@ -271,7 +276,8 @@ def label_issues(looks: dict[str, Look], labels: dict[str, str], seed: int = 0
     given = np.array([classes.index(labels[p]) for p in paths])
     if len(classes) < 2 or np.bincount(given).min() < FOLDS:
         return [], None
-    features = np.stack([looks[p].thumbnail for p in paths])
+    if features is None:
+        features = np.stack([looks[p].thumbnail for p in paths])
     # Shrunk linear discriminants: as good as logistic regression on thumbnails, 5-10x faster.
     model = LinearDiscriminantAnalysis(solver="lsqr", shrinkage="auto")
     folds = StratifiedKFold(n_splits=FOLDS, shuffle=True, random_state=seed)
@@ -341,10 +347,15 @@ def place_duplicates(groups: list[list[tuple[str, int]]], assignment: dict[str, 
     return assignment, moved, spanning
 
 
-def audit_split(root: Path, good: list[tuple[str, str]], assignment: dict[str, str],
+Features = tuple[str, Callable[[Path, list[str]], np.ndarray]]
+"""(what they are, (root, paths) -> one row per path): what the label check reads instead of
+thumbnails."""
+
+
+def audit_split(root: Path, good: list[tuple[str, str]], assignment: dict[str, str],  # noqa: PLR0913
                 placed: set[str], order: Callable[[str], str], quarantine: bool,
-                on_progress: Callable[[int, int], None] = lambda done, total: None
-                ) -> tuple[dict[str, str], AuditReport]:
+                on_progress: Callable[[int, int], None] = lambda done, total: None,
+                features: Features | None = None) -> tuple[dict[str, str], AuditReport]:
     """Look at every image, keep duplicates on one side, and find label issues and outliers.
 
     Returns every image's side (the ledger's, quarantined ones included: they keep theirs) and
@@ -370,7 +381,10 @@ def audit_split(root: Path, good: list[tuple[str, str]], assignment: dict[str, s
             report.findings.append(Finding(
                 kind=kind, path=path, label=labels[path], side=assignment[path], group=index,
                 score=bits, reason=reason))
-    doubted, report.label_check_accuracy = label_issues(looks, labels)
+    if features is not None:
+        report.label_features = features[0]
+    doubted, report.label_check_accuracy = label_issues(
+        looks, labels, features[1](root, sorted(labels)) if features else None)
     for finding in [*doubted, *outliers(looks, labels)]:
         report.findings.append(finding.model_copy(update={"side": assignment[finding.path]}))
     return assignment, report

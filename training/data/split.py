@@ -22,7 +22,7 @@ from pathlib import Path
 
 from trainflow_serving.images import Geometry, as_geometry
 from training.config import AuditSpec, SplitSpec
-from training.data.audit import AuditReport, audit_split
+from training.data.audit import AuditReport, Features, audit_split
 from training.data.images import ImageCheck, check_image
 from training.data.labels import DatasetError, given_splits
 from training.data.sources import TABLE_LABELS, DatasetRef, labelled_files
@@ -52,7 +52,8 @@ def check_images(root: Path, relpaths: list[str]) -> list[ImageCheck]:
 def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path,
                   sides: dict[str, Geometry | int] | None = None,
                   on_progress: Callable[[int, int], None] = lambda done, total: None,
-                  audit: AuditSpec | None = None) -> SplitResult:
+                  audit: AuditSpec | None = None, features: Features | None = None
+                  ) -> SplitResult:
     """Check every image, audit them (`audit`, training/data/audit.py), write the manifest.
 
     With `sides` (split -> the geometry a training decodes it at), the check is the
@@ -64,22 +65,25 @@ def split_dataset(ref: DatasetRef, spec: SplitSpec, home: Path,
     # One writer per split folder: its ledger is read, extended and written again, so two
     # first runs (or two data versions) at once would each drop the other's assignments.
     with file_lock(folder.parent / f".{folder.name}.lock"):
-        return _split_under_lock(ref, spec, folder, sides, on_progress, audit)
+        return _split_under_lock(ref, spec, folder, sides, on_progress, audit, features)
 
 
-def version_folder(ref: DatasetRef, audit: AuditSpec | None) -> str:
-    """One folder per data version and audit policy: quarantine changes the manifest."""
+def version_folder(ref: DatasetRef, audit: AuditSpec | None, features: Features | None = None
+                   ) -> str:
+    """One folder per data version and audit (policy and label features): quarantine changes
+    the manifest, another backbone the label check."""
     if audit is None or not audit.enabled:
         return ref.fingerprint[:16]
-    policy = hashlib.sha256(audit.model_dump_json().encode()).hexdigest()[:6]
+    what = audit.model_dump_json() + (features[0] if features else "")
+    policy = hashlib.sha256(what.encode()).hexdigest()[:6]
     return f"{ref.fingerprint[:16]}-audit-{policy}"
 
 
 def _split_under_lock(ref: DatasetRef, spec: SplitSpec, folder: Path,
                       sides: dict[str, Geometry | int] | None,
                       on_progress: Callable[[int, int], None],
-                      audit: AuditSpec | None) -> SplitResult:
-    out = folder / version_folder(ref, audit)
+                      audit: AuditSpec | None, features: Features | None) -> SplitResult:
+    out = folder / version_folder(ref, audit, features)
     if (out / "summary.json").is_file() and (out / "manifest.csv").is_file():
         # The fingerprint covers every file's content, so the checks and the assignment would
         # come out the same: a scheduled retrain on unchanged data decodes nothing here.
@@ -124,7 +128,8 @@ def _split_under_lock(ref: DatasetRef, spec: SplitSpec, folder: Path,
         placed = set(ledger) | ({rel for rel, _ in good} if given is not None else set())
         assignment, report = audit_split(ref.root, good, assignment, placed,
                                          lambda rel: hash_order(spec.seed, rel),
-                                         audit.leakage == "quarantine", on_progress)
+                                         audit.leakage == "quarantine", on_progress,
+                                         features)
     if given is not None:
         _check_given_splits(ref, good, assignment)
     if sides and assignment != hoped:
