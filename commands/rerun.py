@@ -7,7 +7,7 @@ Here, the version's recorded commit is checked out into a git worktree (under th
 train-flow runs from there, so today's code does not stand in for the code that trained it.
 It refuses when the commit is unknown to this clone or the version was trained from
 uncommitted changes: neither can be reproduced. Only the fields that define the model are
-replayed (the four parameter blocks from the `trainflow.flow_parameters` tag, less the
+replayed (the parameter blocks from the `trainflow.flow_parameters` tag, less the
 launch-only training fields such as num_processes and ports, which belong to this machine). The
 new run always trains (force) and goes through the gate like any other. Through a deployment,
 the run uses the deployment's code, which the command says.

@@ -4,7 +4,7 @@
     trainflow train --config digits.yaml --training.lr 0.003        # flags beat the file
     trainflow run train-flow/dogs-vs-cats --training.epochs 2       # through a worker
 
-Flags are generated from the flow's four parameter models (pydantic-settings' CLI), so
+Flags are generated from the flow's parameter models (pydantic-settings' CLI), so
 `--help` lists every field with its type, default and description, and a bad value is refused
 with the model's own message before any server starts. `--config` takes the shape of a
 deployment's `parameters:` in prefect.yaml. `train` runs here, on PREFECT_API_URL or the reused

@@ -34,7 +34,7 @@ DATASET_FINGERPRINT = "trainflow.dataset.fingerprint"
 MANIFEST_SHA256 = "trainflow.manifest_sha256"
 SPEC_HASH = "trainflow.spec_hash"
 FLOW_PARAMETERS = "trainflow.flow_parameters"
-"""The flow's four parameter models as validated, as one JSON object: enough to rerun."""
+"""The flow's parameter models as validated, as one JSON object: enough to rerun."""
 
 
 def metric_tag(name: str) -> str:
@@ -92,7 +92,9 @@ def lineage_tags(dataset: DatasetSpec, split: SplitSpec, training: TrainingSpec,
         SPEC_HASH: spec_hash(training, split),
         FLOW_PARAMETERS: json.dumps({"dataset": dataset.model_dump(), "split": split.model_dump(),
                                      "training": training.model_dump(),
-                                     "registry": registry.model_dump()}),
+                                     "registry": registry.model_dump(),
+                                     "audit": (split_result.audit.policy if split_result.audit
+                                               else {"enabled": False})}),
     }
     # Without PREFECT_UI_URL (a temporary server) Prefect builds "None/flow-runs/...".
     if (url := flow_run.get_flow_run_ui_url()) and url.startswith("http"):

@@ -43,7 +43,7 @@ def unless_invalid(task, task_run, state) -> bool:
 
 @task(retries=2, retry_delay_seconds=2, retry_condition_fn=unless_invalid)
 def resolve_parameters(run: dict[str, Any]) -> dict[str, BaseModel]:
-    """The four parameter blocks, each over the deployment's values and validated once; bad
+    """The parameter blocks, each over the deployment's values and validated once; bad
     values are one InvalidParameters naming every problem."""
     merged = merge_blocks(deployment_parameters(), run, tuple(BLOCKS))
     named = {name: sorted(fields) for name in BLOCKS

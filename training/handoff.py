@@ -30,6 +30,8 @@ class AuditResult(BaseModel):
     audit_quarantined: the run's metrics"""
     summary: str
     label_issue_share: float
+    policy: dict
+    """the `audit` block it ran with"""
 
 
 class SplitResult(BaseModel):

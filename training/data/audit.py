@@ -249,13 +249,17 @@ def duplicate_groups(looks: dict[str, Look]) -> list[list[tuple[str, int]]]:
 def _nearest_view(views: np.ndarray, whole: np.ndarray, others: np.ndarray,
                   others_whole: np.ndarray) -> np.ndarray:
     """Bits between one image and each other: the closest of (its whole, any of their views)
-    and (any of its views, their whole), a pair counted by the larger of its two hashes."""
-    mine = np.maximum(np.bitwise_count(whole[0] ^ others[:, :, 0]),
-                      np.bitwise_count(whole[1] ^ others[:, :, 1])).min(axis=1)
-    theirs = np.maximum(np.bitwise_count(views[None, :, 0] ^ others_whole[:, None, 0]),
-                        np.bitwise_count(views[None, :, 1] ^ others_whole[:, None, 1])
-                        ).min(axis=1)
-    return np.minimum(mine, theirs)
+    and (any of its views, their whole), a pair counted by the larger of its two hashes.
+    Perceptual hashes first: the difference hashes only of the few pairs they let through."""
+    near = np.minimum(np.bitwise_count(whole[0] ^ others[:, :, 0]),
+                      np.bitwise_count(views[None, :, 0] ^ others_whole[:, None, 0])
+                      ) <= DUPLICATE_BITS  # [others, views]
+    bits = np.full(len(others), 64, dtype=np.uint8)
+    for j in np.flatnonzero(near.any(axis=1)):
+        mine = np.bitwise_count(whole ^ others[j]).max(axis=1)
+        theirs = np.bitwise_count(views ^ others_whole[j]).max(axis=1)
+        bits[j] = min(mine.min(), theirs.min())
+    return bits
 
 
 def label_issues(looks: dict[str, Look], labels: dict[str, str],

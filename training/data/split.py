@@ -166,7 +166,8 @@ def _write_audit(out: Path, report: AuditReport, audit: AuditSpec) -> AuditResul
     path = out / "audit.json"
     write_json_atomic(path, {"policy": audit.model_dump(), **report.model_dump(mode="json")})
     return AuditResult(file=path, counts=report.counts(), summary=report.summary(),
-                       label_issue_share=report.count("label_issue") / max(1, report.images))
+                       label_issue_share=report.count("label_issue") / max(1, report.images),
+                       policy=audit.model_dump())
 
 
 def _decode_checked(root: Path, pairs: list[tuple[str, str]], wanted: dict[int, list[str]],
