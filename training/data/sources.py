@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from training.config import DatasetSpec
 from training.data.kaggle import COMPLETE_MARKER, KaggleCredentials, download
 from training.data.labels import DatasetError, list_labelled_files
+from training.data.manifests import SUFFIXES, is_manifest, lay_out
 from training.data.tables import prepare_tables, table_digest, table_pairs, tables_root
 from training.storage import file_lock, sha256_file
 
@@ -58,9 +59,11 @@ def source_root(spec: DatasetSpec, home: Path) -> Path:
 
 def check_source(spec: DatasetSpec) -> None:
     """The cheap checks that must pass before anything is downloaded or decoded."""
-    if spec.kind == "local" and not Path(spec.source).expanduser().is_dir():
+    if spec.kind == "local" and not (Path(spec.source).expanduser().is_dir()
+                                     or is_manifest(spec.source)):
         raise DatasetError(
-            f"dataset folder {spec.source} does not exist; give an existing folder, "
+            f"dataset folder {spec.source} does not exist; give an existing folder, a manifest "
+            f"file ({', '.join(SUFFIXES)}), "
             '"builtin:digits" or "kaggle:competitions/<slug>"'
         )
 
@@ -79,6 +82,8 @@ def fetch(spec: DatasetSpec, home: Path, credentials: KaggleCredentials | None =
                         version=spec.version, warn=warn)
     elif spec.kind in ("torchvision", "hf"):
         root = prepare_tables(spec, home)
+    elif is_manifest(spec.source):
+        root = lay_out(Path(spec.source), home)
     return root
 
 
