@@ -84,35 +84,16 @@ def _split_under_lock(ref: DatasetRef, spec: SplitSpec, folder: Path,
                       on_progress: Callable[[int, int], None],
                       audit: AuditSpec | None, features: Features | None) -> SplitResult:
     out = folder / version_folder(ref, audit, features)
-    if (out / "summary.json").is_file() and (out / "manifest.csv").is_file():
-        # The fingerprint covers every file's content, so the checks and the assignment would
-        # come out the same: a scheduled retrain on unchanged data decodes nothing here.
-        result = SplitResult.model_validate_json((out / "summary.json").read_text())
-        if sides:
-            decode_into_stores(ref.root, _by_side(_assignment(result), sides), folder,
-                               on_progress)
-            prune_stores(folder)
-        return result
+    if (reused := _reuse(out, ref, sides, folder, on_progress)) is not None:
+        return reused
     pairs = labelled_files(ref)
     given = (given_splits(ref.root) if spec.respect_given and ref.labels in ("folders", TABLE_LABELS)
              else None)
     ledger_path = folder / "ledger.json"
     ledger: dict[str, str] = json.loads(ledger_path.read_text()) if ledger_path.exists() else {}
-    hoped = None
-    if sides:
-        # Assigned as if every image were readable, so that each is decoded at its split's
-        # side; the few a bad file moves to another split are decoded again below.
-        hoped = _assign(pairs, ledger, spec, given)
-        checks = _decode_checked(ref.root, pairs, _by_side(hoped, sides), folder, on_progress)
-    else:
-        checks = check_images(ref.root, [rel for rel, _ in pairs])
+    hoped = _assign(pairs, ledger, spec, given) if sides else None
+    checks = _check_all(ref.root, pairs, hoped, sides, folder, on_progress)
     bad = [c for c in checks if not c.ok]
-    if len(bad) > MAX_UNREADABLE * len(pairs):
-        examples = "; ".join(f"{c.path}: {c.reason}" for c in bad[:5])
-        raise DatasetError(
-            f"{len(bad)} of {len(pairs)} images are unreadable (over {MAX_UNREADABLE:.0%}); "
-            f"fix or remove them. First: {examples}"
-        )
     good_paths = {c.path for c in checks if c.ok}
     good = [(rel, label) for rel, label in pairs if rel in good_paths]
     by_class: dict[str, list[str]] = defaultdict(list)
@@ -126,10 +107,9 @@ def _split_under_lock(ref: DatasetRef, spec: SplitSpec, folder: Path,
     if audit is not None and audit.enabled:
         # A split that came given is never changed: its leaks are reported or quarantined.
         placed = set(ledger) | ({rel for rel, _ in good} if given is not None else set())
-        assignment, report = audit_split(ref.root, good, assignment, placed,
-                                         lambda rel: hash_order(spec.seed, rel),
-                                         audit.leakage == "quarantine", on_progress,
-                                         features)
+        assignment, report = audit_split(
+            ref.root, good, assignment, placed, lambda rel: hash_order(spec.seed, rel),
+            audit.leakage == "quarantine", on_progress, features)
     if given is not None:
         _check_given_splits(ref, good, assignment)
     if sides and assignment != hoped:
@@ -143,23 +123,51 @@ def _split_under_lock(ref: DatasetRef, spec: SplitSpec, folder: Path,
     write_json_atomic(ledger_path, {**ledger, **assignment}, compact=True)
     write_json_atomic(out / "quarantine.json", [c.__dict__ for c in bad])
     write_json_atomic(out / "counts.json", counts)
-    channels = 1 if all(c.grayscale for c in checks if c.ok) else 3
-    manifest = out / "manifest.csv"
-    write_text_atomic(manifest, manifest_text)
+    write_text_atomic(out / "manifest.csv", manifest_text)
     result = SplitResult(
-        manifest=manifest,
+        manifest=out / "manifest.csv",
         manifest_sha256=hashlib.sha256(manifest_text.encode()).hexdigest(),
-        counts=counts,
-        quarantined=len(bad),
-        class_names=sorted(by_class),
-        channels=channels,
-        root=ref.root,
-        given_splits=given,
-        audit=_write_audit(out, report, audit) if report is not None and audit else None,
-    )
+        counts=counts, quarantined=len(bad), class_names=sorted(by_class),
+        channels=1 if all(c.grayscale for c in checks if c.ok) else 3,
+        root=ref.root, given_splits=given,
+        audit=_write_audit(out, report, audit) if report is not None and audit else None)
     write_json_atomic(out / "summary.json", result.model_dump(mode="json"))
     clean_up(folder, keep=good_paths)
     return result
+
+
+def _reuse(out: Path, ref: DatasetRef, sides: dict[str, Geometry | int] | None, folder: Path,
+           on_progress: Callable[[int, int], None]) -> SplitResult | None:
+    """The split this version already has, its images decoded at `sides`; None if none."""
+    if not ((out / "summary.json").is_file() and (out / "manifest.csv").is_file()):
+        return None
+    # The fingerprint covers every file's content, so the checks and the assignment would
+    # come out the same: a scheduled retrain on unchanged data decodes nothing here.
+    result = SplitResult.model_validate_json((out / "summary.json").read_text())
+    if sides:
+        decode_into_stores(ref.root, _by_side(_assignment(result), sides), folder, on_progress)
+        prune_stores(folder)
+    return result
+
+
+def _check_all(root: Path, pairs: list[tuple[str, str]], hoped: dict[str, str] | None,
+               sides: dict[str, Geometry | int] | None, folder: Path,
+               on_progress: Callable[[int, int], None]) -> list[ImageCheck]:
+    """Every image checked, and with `sides` decoded at its hoped split's side (assigned as if
+    every image were readable; the few a bad file moves are decoded again later). Too many
+    unreadable images stop the split."""
+    if sides and hoped is not None:
+        checks = _decode_checked(root, pairs, _by_side(hoped, sides), folder, on_progress)
+    else:
+        checks = check_images(root, [rel for rel, _ in pairs])
+    bad = [c for c in checks if not c.ok]
+    if len(bad) > MAX_UNREADABLE * len(pairs):
+        examples = "; ".join(f"{c.path}: {c.reason}" for c in bad[:5])
+        raise DatasetError(
+            f"{len(bad)} of {len(pairs)} images are unreadable (over {MAX_UNREADABLE:.0%}); "
+            f"fix or remove them. First: {examples}"
+        )
+    return checks
 
 
 def _write_audit(out: Path, report: AuditReport, audit: AuditSpec) -> AuditResult:
