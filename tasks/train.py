@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import mlflow
@@ -58,23 +58,7 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         args += ["--evaluate-into", str(evaluate_into)]
 
     progress = LaunchProgress(logger, job.training.epochs, on_fraction=on_progress)
-
-    def on_event(event: Event) -> None:
-        main = event.rank == 0
-        progress.on_event(event)
-        if isinstance(event, Params) and main:
-            tracker.log_params(event.params)
-        elif isinstance(event, EpochEnded) and main:
-            figures = event.metrics.figures()
-            tracker.log_metrics(figures, step=event.epoch)
-            logger.info("epoch %s/%s %s", event.epoch, event.epochs, " ".join(
-                f"{k}={v:.4g}" for k, v in figures.items()))
-            on_epoch(event)
-        elif isinstance(event, Started):
-            logger.info("rank %s started on %s, world size %s", event.rank, event.device,
-                        event.world_size)
-        elif isinstance(event, Resumed) and main:
-            logger.info("resumed from %s (epoch %s done)", event.checkpoint, event.epoch)
+    on_event = reporting(logger, tracker, progress, on_epoch)
 
     try:
         with system_metrics(mlflow_run_id, tracking_uri, logger):
@@ -93,7 +77,34 @@ def run_training(job: TrainJob, logger, resume: bool = True, on_epoch=lambda eve
         raise
     finally:
         progress.close()
-    unsent = tracker.flush()
+    return trained_result(job, events, unsent=tracker.flush())
+
+
+def reporting(logger, tracker: EpochLogger, progress: LaunchProgress, on_epoch
+              ) -> Callable[[Event], None]:
+    """What each rank event becomes here: progress, MLflow params and metrics, log lines."""
+    def on_event(event: Event) -> None:
+        main = event.rank == 0
+        progress.on_event(event)
+        if isinstance(event, Params) and main:
+            tracker.log_params(event.params)
+        elif isinstance(event, EpochEnded) and main:
+            figures = event.metrics.figures()
+            tracker.log_metrics(figures, step=event.epoch)
+            logger.info("epoch %s/%s %s", event.epoch, event.epochs, " ".join(
+                f"{k}={v:.4g}" for k, v in figures.items()))
+            on_epoch(event)
+        elif isinstance(event, Started):
+            logger.info("rank %s started on %s, world size %s", event.rank, event.device,
+                        event.world_size)
+        elif isinstance(event, Resumed) and main:
+            logger.info("resumed from %s (epoch %s done)", event.checkpoint, event.epoch)
+
+    return on_event
+
+
+def trained_result(job: TrainJob, events: list[Event], unsent: int) -> TrainResult:
+    """The TrainResult rank 0 reported; an error when it reported none."""
     result = last_from_rank_0(events, Trained)
     if result is None:
         raise RuntimeError("training exited cleanly but rank 0 reported no result")

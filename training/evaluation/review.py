@@ -214,6 +214,19 @@ def confusion_png(figures: dict, path: Path) -> Path:
     return path
 
 
+STYLE = f"""<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; margin: 1em 0; }}
+td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: right; }}
+td:first-child {{ text-align: left; }} .up {{ color: #060; }} .down {{ color: #a00; }}
+.decision {{ font-size: 1.2em; padding: .6em; background: #f3f3f3; border-left: 4px solid #444; }}
+.gallery {{ display: flex; flex-wrap: wrap; gap: 8px; }}
+figure.g {{ width: 150px; margin: 0; font-size: 11px; }}
+figure.g img {{ width: {THUMBNAIL}px; height: {THUMBNAIL}px; object-fit: contain;
+  image-rendering: pixelated; background: #eee; }}
+</style>"""
+
+
 def _data_uri(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 
@@ -330,17 +343,7 @@ def write_review(out: Path, decision: str, figures: dict, paths: list[str], root
         galleries = _gallery("Wrong", figures["wrong"], paths, root, truth, models, names)
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Review: {html.escape(stats[0]['name'])}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
-table {{ border-collapse: collapse; margin: 1em 0; }}
-td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: right; }}
-td:first-child {{ text-align: left; }} .up {{ color: #060; }} .down {{ color: #a00; }}
-.decision {{ font-size: 1.2em; padding: .6em; background: #f3f3f3; border-left: 4px solid #444; }}
-.gallery {{ display: flex; flex-wrap: wrap; gap: 8px; }}
-figure.g {{ width: 150px; margin: 0; font-size: 11px; }}
-figure.g img {{ width: {THUMBNAIL}px; height: {THUMBNAIL}px; object-fit: contain;
-  image-rendering: pixelated; background: #eee; }}
-</style></head><body>
+{STYLE}</head><body>
 <p class="decision">{html.escape(decision)}</p>
 <p>{figures['images']} test images, the same for every model; intervals are bootstrap 95%
 ({figures['bootstrap']} resamples){'; McNemar p on each class' + chr(39) + 's images, * below 0.05'
