@@ -4,6 +4,7 @@ leak does to a test figure.
     .venv/bin/python -m bench.audit                    # flowers-128, planted faults, timings
     .venv/bin/python -m bench.audit --leak-epochs 1    # also: test accuracy, leaks closed or not
     .venv/bin/python -m bench.audit --scale 25000      # also: the audit's time on 25,000 images
+    .venv/bin/python -m bench.audit --demo-pairs 3     # make demo's run, audit on and off
 
 flowers-128 (../shared/data/flowers-128, 4,317 photos, 5 classes) is copied with faults
 planted, seeded: `--copies` near-duplicates of random photos, five kinds in turn (re-saved as
@@ -198,6 +199,34 @@ def scale(count: int, work: Path, repeats: int) -> None:
           f"{statistics.median(walls['with']):.1f} s with it (medians of {repeats}, alternated)")
 
 
+def demo(pairs: int, work: Path) -> None:
+    """`make demo`'s run (digits, 3 epochs) with the audit and without, alternated, each on a
+    fresh home (one warm-up run first starts the reused local Prefect server)."""
+    import subprocess
+
+    trainflow = Path(sys.executable).with_name("trainflow")
+    base = [str(trainflow), "train", "--dataset.source", "builtin:digits",
+            "--training.epochs", "3"]
+    walls: dict[str, list[float]] = {"with the audit": [], "without": []}
+    runs = [("warm-up", [])] + [run for _ in range(pairs) for run in (
+        ("with the audit", []), ("without", ["--audit.enabled", "false"]))]
+    accuracy: dict[str, list[str]] = {name: [] for name in walls}
+    for i, (name, extra) in enumerate(runs):
+        env = {**os.environ, "TRAINFLOW_HOME": str(work / f"demo-{i}")}
+        started = time.perf_counter()
+        done = subprocess.run([*base, *extra, "--json"], env=env, capture_output=True,
+                              text=True, check=True)
+        if name in walls:
+            walls[name].append(time.perf_counter() - started)
+            import json
+
+            accuracy[name].append(f"{json.loads(done.stdout)['evaluation']['metrics']['accuracy']:.4f}")
+    print("\n| make demo's run | wall s, median | test accuracy |\n|---|---|---|")
+    for name, runs_ in walls.items():
+        print(f"| {name} | {statistics.median(runs_):.1f} ({', '.join(f'{w:.1f}' for w in runs_)})"
+              f" | {', '.join(accuracy[name])} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--flowers", type=Path, default=FLOWERS)
@@ -207,11 +236,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--leak-epochs", type=int, default=0)
     parser.add_argument("--scale", type=int, default=0)
+    parser.add_argument("--demo-pairs", type=int, default=0)
+    parser.add_argument("--only-demo", action="store_true")
     args = parser.parse_args()
     logging.disable(logging.INFO)
     work = Path(tempfile.mkdtemp(prefix="bench-audit-"))
     os.environ["TRAINFLOW_HOME"] = str(work / "home")
     try:
+        if args.demo_pairs:
+            demo(args.demo_pairs, work)
+        if args.only_demo:
+            return
         clean = audit(args.flowers, work / "clean")
         natural: dict[int, set[str]] = {}
         for f in findings(clean):
