@@ -16,17 +16,14 @@ from __future__ import annotations
 from prefect import flow
 from pydantic import BaseModel
 
+from flows.registration import register_and_review
 from runtime.infrastructure import end_with_worker
-from tasks.approval import apply_approval, ask_for_approval
 from tasks.data import prepare_dataset, split_dataset
 from tasks.decision import Registration
-from tasks.drift import record_drift_reference
 from tasks.evaluate import Evaluation, evaluate_model
 from tasks.lineage import lineage_tags
 from tasks.parameters import BLOCKS, resolve_parameters
 from tasks.preflight import check_before_start
-from tasks.register import register_model
-from tasks.review import review_version
 from tasks.sweep import SweepSummary, run_trials
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run
 from training.config import (
@@ -79,14 +76,8 @@ def sweep_flow(  # noqa: PLR0913  (its parameters are the deployment form's fiel
         best = summary.best
         lineage = lineage_tags(dataset, split, best.job.training, registry, source, data)
         evaluation = evaluate_model(best, summary.best_run_id)
-        registration = register_model(best, evaluation, registry, summary.best_run_id, lineage)
-        record_drift_reference(data, evaluation, summary.best_run_id)
-        review = review_version(source, data, best, evaluation, registration,
-                                summary.best_run_id, lineage)
-        if registration.awaiting_approval:
-            answer = ask_for_approval(registration, registry.approval_timeout_s,
-                                      review.summary, review.url)
-            registration = apply_approval(registration, answer)
+        registration, _ = register_and_review(source, data, best, evaluation, registry,
+                                              summary.best_run_id, lineage)
     close_mlflow_run(run_id, "FINISHED")
     return SweepResult(mlflow_run_id=run_id, sweep=summary, evaluation=evaluation,
                        registration=registration)

@@ -14,20 +14,18 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
+from flows.registration import register_and_review
 from runtime.infrastructure import end_with_worker
 from runtime.remote import bucket_results
-from tasks.approval import apply_approval, ask_for_approval
 from tasks.data import bring_data_here, prepare_dataset, split_dataset
 from tasks.decision import Registration
-from tasks.drift import record_drift_reference
 from tasks.evaluate import Evaluation, evaluate_model
 from tasks.gate import score_champion_early
 from tasks.lineage import FLOW_RUN_URL, find_unchanged_champion, lineage_tags
 from tasks.parameters import BLOCKS, resolve_parameters
 from tasks.preflight import check_before_start
-from tasks.register import register_model
 from tasks.report import publish_report
-from tasks.review import Review, review_version
+from tasks.review import Review
 from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_run, run_url
 from tasks.train import bring_outputs_here, train_model
 from training.config import AuditSpec, DatasetSpec, RegistrySpec, RetrainSpec, SplitSpec, TrainingSpec
@@ -81,14 +79,8 @@ def train_flow(
         bring_outputs_here(trained)  # a retry on another machine: the weights, the evaluation
         evaluation = evaluate_model(trained, run_id)
         champion_scored.wait()  # the gate finds its predictions in its cache
-        registration = register_model(trained, evaluation, registry, run_id, lineage)
-        record_drift_reference(data, evaluation, run_id)
-        review = review_version(source, data, trained, evaluation, registration, run_id,
-                                lineage)
-        if registration.awaiting_approval:
-            answer = ask_for_approval(registration, registry.approval_timeout_s,
-                                      review.summary, review.url)
-            registration = apply_approval(registration, answer)
+        registration, review = register_and_review(source, data, trained, evaluation,
+                                                   registry, run_id, lineage)
         publish_report(source, data, trained, evaluation, registration, run_id)
     close_mlflow_run(run_id, "FINISHED")
     return FlowResult(mlflow_run_id=run_id, mlflow_url=run_url(run_id),
