@@ -26,17 +26,16 @@ from pydantic_settings import CliApp, CliPositionalArg
 from training.config import (
     BLOCKS,
     DatasetSpec,
-    Distribution,
     InvalidParameters,
     RegistrySpec,
     SplitSpec,
     TrainingSpec,
-    check_search_space,
     merge_blocks,
     problems_of,
     validate_blocks,
 )
 from training.storage import redacted, tracking_uri
+from training.sweep_spec import Distribution, check_search_space
 
 
 class TrainArgs(BaseModel):

@@ -29,12 +29,11 @@ from tasks.tracking import close_mlflow_run, failing_with_the_flow, open_mlflow_
 from training.config import (
     AuditSpec,
     DatasetSpec,
-    Distribution,
     RegistrySpec,
     SplitSpec,
-    SweepSpec,
     TrainingSpec,
 )
+from training.sweep_spec import Distribution, SweepSpec
 
 
 class SweepResult(BaseModel):

@@ -31,11 +31,12 @@ from runtime.launcher import LaunchFailed
 from tasks import run_logger
 from tasks.tracking import fluent_mlflow
 from tasks.train import run_training
-from training.config import Distribution, SweepSpec, TrainingSpec
+from training.config import TrainingSpec
 from training.engine.events import EpochEnded
 from training.handoff import SplitResult, TrainJob, TrainResult
 from training.hardware import cuda_gpu_count
 from training.storage import home, tracking_uri
+from training.sweep_spec import Distribution, SweepSpec
 
 RESULT_ATTR, RUN_ATTR, EPOCHS_ATTR = "trainflow.result", "trainflow.mlflow_run_id", "epochs_run"
 TRIAL_STATE = "trainflow.trial_state"

@@ -85,7 +85,8 @@ def test_any_torchvision_classifier_is_accepted():
 
 
 def test_model_names_are_torchvisions_catalogue_read_without_importing_torch():
-    check = ("import sys; from training.config import TrainingSpec, torchvision_model_names\n"
+    check = ("import sys; from training.config import TrainingSpec\n"
+             "from training.catalogue import torchvision_model_names\n"
              "try:\n    TrainingSpec(model='resnet-18')\nexcept ValueError as e:\n"
              "    print('refused' if 'unknown model' in str(e) else e)\n"
              "print(sorted(torchvision_model_names())); print('torch' in sys.modules)")

@@ -8,12 +8,9 @@ at validation instead of being silently ignored.
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import os
 import re
 from enum import StrEnum
-from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,6 +22,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from training.catalogue import torchvision_dataset_names, torchvision_model_names
 
 _KAGGLE_COMPETITION = re.compile(r"^kaggle:competitions/([a-z0-9][a-z0-9-]*)$")
 _KAGGLE_DATASET = re.compile(r"^kaggle:datasets/([A-Za-z0-9_-]+)/([A-Za-z0-9][A-Za-z0-9_.-]*)$")
@@ -234,52 +233,6 @@ class SplitSpec(Spec):
                 "they must sum below 1, e.g. val_fraction=0.1, test_fraction=0.1"
             )
         return self
-
-
-@cache
-def torchvision_dataset_names() -> frozenset[str]:
-    """torchvision.datasets.__all__, read from torchvision's source (no import of torch)."""
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("torchvision is not installed; run `make install`")
-    tree = ast.parse((Path(spec.submodule_search_locations[0]) / "datasets" / "__init__.py")
-                     .read_text(encoding="utf-8"))
-    for node in tree.body:
-        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
-                                                 for t in node.targets)):
-            return frozenset(ast.literal_eval(node.value))
-    return frozenset()
-
-
-@cache
-def torchvision_model_names() -> frozenset[str]:
-    """torchvision.models.list_models(module=torchvision.models), read from torchvision's source.
-
-    Importing torchvision imports torch (about 2 s), and a bad value must be refused before that;
-    the registry is the `@register_model()` decorators of the classification modules.
-    """
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("torchvision is not installed; run `make install`")
-    names = set()
-    for module in sorted((Path(spec.submodule_search_locations[0]) / "models").glob("*.py")):
-        for node in ast.walk(ast.parse(module.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.FunctionDef):
-                names.update(_registered_name(node))
-    return frozenset(names)
-
-
-def _registered_name(function: ast.FunctionDef) -> list[str]:
-    for decorator in function.decorator_list:
-        if (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Name)
-                and decorator.func.id == "register_model"):
-            named = [k.value for k in decorator.keywords if k.arg == "name"]
-            if named and isinstance(named[0], ast.Constant):
-                return [named[0].value]
-            if decorator.args and isinstance(decorator.args[0], ast.Constant):
-                return [decorator.args[0].value]
-            return [function.name]
-    return []
 
 
 def default_lr(model: str) -> float:
@@ -662,82 +615,6 @@ def fields_with(*roles: Role) -> frozenset[str]:
 LAUNCH_ONLY = fields_with(Role.LAUNCH, Role.MACHINE)
 PER_MACHINE = fields_with(Role.MACHINE)
 SEARCHABLE = fields_with(Role.RECIPE)
-
-
-class Distribution(Spec):
-    """One searched field: exactly one of log_uniform, uniform, int_range or choice."""
-
-    log_uniform: tuple[float, float] | None = Field(None, description="[low, high], low > 0")
-    uniform: tuple[float, float] | None = Field(None, description="[low, high]")
-    int_range: tuple[int, int] | None = Field(None, description="[low, high], both included")
-    choice: list[str | int | float | bool | None] | None = Field(None, min_length=1)
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> Distribution:
-        given = [k for k in ("log_uniform", "uniform", "int_range", "choice")
-                 if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError('give exactly one of log_uniform, uniform, int_range or choice, '
-                             'e.g. {"log_uniform": [1e-4, 1e-1]} or {"choice": [32, 64]}')
-        low_high = self.log_uniform or self.uniform or self.int_range
-        if low_high is not None and not low_high[0] < low_high[1]:
-            raise ValueError(f"the range {list(low_high)} must be [low, high] with low < high")
-        if self.log_uniform is not None and self.log_uniform[0] <= 0:
-            raise ValueError(f"log_uniform needs low > 0, got {self.log_uniform[0]}")
-        return self
-
-
-class SweepSpec(Spec):
-    """A hyperparameter search over the training spec (sweep-flow)."""
-
-    search_space: dict[str, Distribution] = Field(
-        description='Training fields to vary, e.g. {"lr": {"log_uniform": [1e-4, 1e-1]}, '
-        '"batch_size": {"choice": [32, 64]}}.')
-    n_trials: int = Field(8, ge=1, le=10_000, description="Trials in the study, all runs together.")
-    max_concurrency: int = Field(1, ge=1, description="Trials at once (each gets its own GPUs).")
-    budget_s: float | None = Field(None, gt=0, description="Start no new trial after this long.")
-    pruning_startup_trials: int = Field(
-        2, ge=0, description="Complete trials before any trial is pruned: the median of one "
-        "trial is that trial's luck.")
-    pruning_warmup_epochs: int = Field(
-        1, ge=0, description="Epochs every trial trains before it may be pruned; a high "
-        "learning rate often looks worst after its first epoch.")
-
-    @field_validator("search_space")
-    @classmethod
-    def _known_fields(cls, space: dict[str, Distribution]) -> dict[str, Distribution]:
-        return check_search_space(space)
-
-    def base_trial(self, base: TrainingSpec) -> dict:
-        """The base spec's own values that lie in the space: tried first, so that a sweep
-        never ends below not sweeping (on validation accuracy)."""
-        def inside(value, dist: Distribution) -> bool:
-            if dist.choice is not None:
-                return value in dist.choice
-            low, high = dist.log_uniform or dist.uniform or dist.int_range
-            return isinstance(value, int | float) and low <= value <= high
-
-        values = {name: getattr(base, name) for name in self.search_space}
-        return {k: v for k, v in values.items() if inside(v, self.search_space[k])}
-
-
-def check_search_space(space: dict[str, Distribution]) -> dict[str, Distribution]:
-    """The search space's rule, shared by SweepSpec and the CLI's typed arguments: searchable
-    training fields only, and choices each field accepts."""
-    if not space:
-        raise ValueError('search_space is empty; e.g. {"lr": {"log_uniform": [1e-4, 1e-1]}}')
-    unknown = sorted(set(space) - SEARCHABLE)
-    if unknown:
-        raise ValueError(f"search_space names {unknown}, which are not searchable training "
-                         f"fields; use some of: {', '.join(sorted(SEARCHABLE))}")
-    for name, dist in space.items():
-        for value in dist.choice or []:
-            try:
-                TrainingSpec(**{name: value})
-            except ValueError as e:
-                raise ValueError(f"search_space.{name}: choice {value!r} is not a valid "
-                                 f"training.{name}: {e}") from None
-    return space
 
 
 BLOCKS: dict[str, type[Spec]] = {"dataset": DatasetSpec, "split": SplitSpec,
