@@ -1,4 +1,4 @@
-"""The review report's cost beside the gate (issue 47's target: under 10 s for 10 classes and
+"""The review report's cost beside the gate (the target: under 10 s for 10 classes and
 10,000 test images).
 
     .venv/bin/python -m bench.review [--images 10000] [--classes 10] [--repeats 5]
