@@ -56,6 +56,7 @@ STORE_DATA = "images.u8"
 SPLIT_RECORD = "split.json"
 LEDGER = "ledger.json"
 QUARANTINE = "quarantine.json"
+AUDIT = "audit.json"
 MTIMES = ".trainflow-mtimes.json"
 """In a dataset archive: each file's modification time to the nanosecond (tar keeps less), which
 the decode stores key their rows by."""
@@ -204,7 +205,8 @@ def publish_split(remote: RemoteRoot, split: SplitResult,
             Bucket=remote.bucket, Key=record_key)["Body"].read() == record:
         return published  # the split stage published it; the train task finds it there
     folder = split.manifest.parent.parent
-    for path in (folder / LEDGER, split.manifest.parent / QUARANTINE):
+    for path in (folder / LEDGER, split.manifest.parent / QUARANTINE,
+                 split.manifest.parent / AUDIT):
         if path.exists():
             remote.upload(path, remote.key("splits", split.manifest_sha256, path.name))
     remote.put(record, record_key)  # last: a machine that finds it finds everything it names
@@ -400,8 +402,8 @@ def restore_folder(remote: RemoteRoot, key: str, folder: Path) -> None:
 
 
 def restore_split(remote: RemoteRoot, split: SplitResult) -> bool:
-    """The split's manifest, ledger and decode stores on this machine, at the paths the split
-    stage gave them, when they are not here; True when they were fetched. The manifest comes
+    """The split's manifest, ledger, audit and decode stores on this machine, at the paths the
+    split stage gave them, when they are not here; True when they were fetched. The manifest comes
     last: a restore cut off is done again."""
     if split.decoded_only or split.manifest.exists():
         return False
@@ -422,7 +424,8 @@ def restore_split(remote: RemoteRoot, split: SplitResult) -> bool:
             if not store.index_path.exists():
                 _download_store(remote, sha, store)
         for name, target in ((LEDGER, folder / LEDGER),
-                             (QUARANTINE, split.manifest.parent / QUARANTINE)):
+                             (QUARANTINE, split.manifest.parent / QUARANTINE),
+                             (AUDIT, split.manifest.parent / AUDIT)):
             if not target.exists() and remote.exists(f"{base}/{name}"):
                 remote.download(f"{base}/{name}", target)
         remote.download(f"{base}/manifest.csv", split.manifest)

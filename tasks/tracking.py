@@ -87,7 +87,7 @@ def open_mlflow_run(lineage: dict[str, str], data: SplitResult, flow_name: str =
     run = client.create_run(experiment_id(client), tags=tags,
                             run_name=f"{flow_name}/{flow_run.get_name()}")
     client.log_inputs(run.info.run_id, datasets=split_datasets(lineage[DATASET_SOURCE], data))
-    if data.audit is not None:
+    if data.audit is not None and data.audit.file.is_file():
         # What the figures stand on, beside them: audit/audit.json and its counts as metrics.
         client.log_artifact(run.info.run_id, str(data.audit.file), "audit")
         for name, value in data.audit.counts.items():
