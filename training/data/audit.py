@@ -289,7 +289,10 @@ def label_issues(looks: dict[str, Look], labels: dict[str, str],
     accuracy = float((probabilities.argmax(axis=1) == given).mean())
     if accuracy < LABEL_CHECK_ACCURACY:
         return [], accuracy
-    ranked = find_label_issues(given, probabilities, return_indices_ranked_by="self_confidence")
+    # One process: cleanlab's default forks a pool, and a fork of the flow's process (Prefect's
+    # threads holding locks) deadlocked there.
+    ranked = find_label_issues(given, probabilities, return_indices_ranked_by="self_confidence",
+                               n_jobs=1)
     return [Finding(kind="label_issue", path=paths[i], label=labels[paths[i]],
                     suggested=classes[int(probabilities[i].argmax())],
                     score=round(float(probabilities[i, given[i]]), 4),
