@@ -407,6 +407,7 @@ def _bucket_keys(s3) -> list[str]:
             for o in page.get("Contents", [])]
 
 
+@pytest.mark.extended  # minutes of two hosts; CI keeps the two-host bucket run above
 def test_a_flow_run_retried_on_the_other_host_resumes_from_the_bucket_and_skips_done_stages(
         on_hosts, bucket, tmp_path):
     """train-flow runs on host 0 (machine 0) with host 1 as machine 1; each host has its own
