@@ -269,6 +269,8 @@ def main() -> None:
                                                           backbone)):
             s = flip_scores(findings(result), flipped)
             print(f"| {name} | {s['issues']:.0f} | {s['in top 2x']:.2f} | {s['precision']:.2f} |")
+        if args.repeats == 0:
+            return
         walls = {"none": [], "thumbs": [], "backbone": []}
         for r in range(args.repeats):
             walls["none"].append(timed(lambda r=r: audit(root, work / f"t{r}n", enabled=False)))
