@@ -72,20 +72,20 @@ def plant(source: Path, root: Path, copies: int, flips: int, seed: int
     rng = random.Random(seed)
     classes = sorted(p.name for p in root.iterdir() if p.is_dir())
     files = sorted(str(p.relative_to(root)) for p in root.glob("*/*.jpg"))
-    chosen = rng.sample(files, copies + flips)
+    chosen = rng.sample(files, copies)
     planted = {}
-    for i, rel in enumerate(chosen[:copies]):
+    for i, rel in enumerate(chosen):
         kind = KINDS[i % len(KINDS)]
         with Image.open(root / rel) as img:
             name = f"{rel[:-4]}-{kind}.jpg"
             copy_of(img.convert("RGB"), kind).save(root / name, quality=95)
             planted[name] = rel
     flipped = {}
-    by_class = {c: [r for r in chosen[copies:] if r.startswith(c + "/")] for c in classes}
+    untouched = [f for f in files if f not in chosen]
     per_class = flips // len(classes)
     moved = 0
-    for c, rels in by_class.items():
-        for rel in rels[:per_class]:
+    for c in classes:
+        for rel in rng.sample([f for f in untouched if f.startswith(c + "/")], per_class):
             other = classes[(classes.index(c) + 1) % len(classes)]
             target = f"{other}/flip-{Path(rel).name}"
             (root / rel).rename(root / target)
@@ -100,8 +100,9 @@ def audit(root: Path, home: Path, features=None, enabled: bool = True):
     from training.data.split import split_dataset
 
     ref = prepare(DatasetSpec(source=str(root)), home)
-    return split_dataset(ref, SplitSpec(), home, audit=AuditSpec(enabled=enabled),
-                         features=features)
+    policy = AuditSpec(enabled=enabled,
+                       labels_from="backbone" if features is not None else "thumbnails")
+    return split_dataset(ref, SplitSpec(), home, audit=policy, features=features)
 
 
 def findings(result) -> list[dict]:
@@ -148,11 +149,11 @@ def lite0_features():
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(BENCH_MODELS), *filter(None, [os.environ.get("PYTHONPATH")])])
     from tasks.data import starting_features
-    from training.config import TrainingSpec
+    from training.config import AuditSpec, TrainingSpec
     from training.models.arrival import as_it_arrives
 
     spec = as_it_arrives(TrainingSpec(model="mynets:pretrained_lite0", image_size=128)).training
-    return starting_features(spec)
+    return starting_features(spec, AuditSpec(labels_from="backbone"))
 
 
 def timed(fn) -> float:

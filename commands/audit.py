@@ -44,15 +44,17 @@ def main(argv: list[str]) -> None:
     from training.storage import home
 
     dataset = DatasetSpec(source=args.source, **({"labels": args.labels} if args.labels else {}))
+    audit = AuditSpec(leakage=args.leakage,
+                      labels_from="backbone" if args.model else "thumbnails")
     features = None
     if args.model:
         resolved = as_it_arrives(TrainingSpec(model=args.model))
         print("\n".join(resolved.notes))
-        features = starting_features(resolved.training)
+        features = starting_features(resolved.training, audit)
     try:
         ref = prepare(dataset, home())
-        result = split_dataset(ref, SplitSpec(seed=args.seed), home(),
-                               audit=AuditSpec(leakage=args.leakage), features=features)
+        result = split_dataset(ref, SplitSpec(seed=args.seed), home(), audit=audit,
+                               features=features)
     except DatasetError as e:
         sys.exit(f"trainflow audit: {e}")
     assert result.audit is not None

@@ -54,9 +54,16 @@ def prepare_dataset(dataset: DatasetSpec) -> DatasetRef:
     return ref
 
 
-def starting_features(training: TrainingSpec) -> Features | None:
-    """A fine-tune's backbone as the audit's label check features; None from scratch."""
+def starting_features(training: TrainingSpec, audit: AuditSpec) -> Features | None:
+    """A fine-tune's backbone as the audit's label check features, when `audit.labels_from`
+    says so; None for thumbnails."""
+    if audit.labels_from != "backbone":
+        return None
     if not training.starts_from_weights:
+        run_logger().warning(
+            "audit.labels_from=backbone, but %s starts from scratch: no backbone to read yet, "
+            "so the label check reads thumbnails (set training.pretrained or training.weights, "
+            "or audit.labels_from=thumbnails)", training.model)
         return None
 
     def features(root: Path, paths: list[str]) -> np.ndarray:
@@ -75,14 +82,14 @@ def split_dataset(dataset: DatasetRef, split: SplitSpec, training: TrainingSpec,
 
     The check is also the training's decode: each image is decoded once, at the side its
     split is trained or evaluated at, and the training launch decodes nothing. The audit
-    (training/data/audit.py) keeps duplicates on one side of the split; a fine-tune's label
-    check reads its starting backbone's features.
+    (training/data/audit.py) keeps duplicates on one side of the split; with
+    `audit.labels_from: backbone` a fine-tune's label check reads its starting backbone.
     """
     logger = run_logger()
     sides = split_sides(training)
     with decode_progress(logger) as on_progress:
         result = make_split(dataset, split, home(), sides, on_progress, audit,
-                            starting_features(training))
+                            starting_features(training, audit))
     if result.audit is not None:
         logger.info("%s: see %s", result.audit.summary, result.audit.file)
         if result.audit.label_issue_share > audit.max_label_issue_share:

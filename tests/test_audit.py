@@ -262,8 +262,9 @@ def test_a_fine_tune_checks_labels_on_its_starting_backbone(tmp_path, monkeypatc
             flipped.add(f"{other}/{label}-{i:03d}.png")
     spec = TrainingSpec(model="auditnets.nets:pretrained", pretrained=True, image_size=32)
     ref = prepare(DatasetSpec(source=str(folder)), tmp_path / "home")
-    result = split_dataset(ref, SplitSpec(), tmp_path / "home", audit=AUDIT,
-                           features=starting_features(spec))
+    backbone = AuditSpec(labels_from="backbone")
+    result = split_dataset(ref, SplitSpec(), tmp_path / "home", audit=backbone,
+                           features=starting_features(spec, backbone))
     audit = json.loads(result.audit.file.read_text())
     assert audit["label_features"] == "auditnets.nets:pretrained's starting backbone"
     assert audit["label_check_accuracy"] >= 0.8

@@ -207,6 +207,11 @@ class AuditSpec(Spec):
         "report", description="A duplicate group already on both sides of the split (placed "
         "before the audit, or given split that way): report it, or quarantine its train and val "
         "copies (left out of training and recorded in audit.json).")
+    labels_from: Literal["thumbnails", "backbone"] = Field(
+        "thumbnails", description="What the label check classifies: 8x8 thumbnails (cheap; "
+        "right for digits and simple shapes, most photos are left unchecked), or the starting "
+        "backbone of a fine-tune (a forward pass over every image: on 2 CPU cores about as long "
+        "as half an epoch of training).")
     max_label_issue_share: float = Field(
         0.05, ge=0, le=1, description="Warn when more than this share of the images look "
         "mislabelled.")

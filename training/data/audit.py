@@ -13,8 +13,9 @@ duplicates on one side (training/data/split.py), and writes what it found as a f
   A crop of the original is then compared with the copy's whole, which a single hash of each
   misses (a 5% crop moves a 64-bit perceptual hash by ~10 bits, unrelated photos' by ~32).
 - Likely wrong labels: cleanlab's `find_label_issues` on out-of-sample class probabilities
-  (5-fold linear discriminants), ranked by self-confidence. What they classify: the backbone
-  a fine-tune starts from (training/models/features.py), else each image's 8x8 thumbnail.
+  (5-fold linear discriminants), ranked by self-confidence. What they classify: each image's
+  8x8 thumbnail, or (`audit.labels_from: backbone`) the backbone a fine-tune starts from
+  (training/models/features.py).
   Thumbnails tell digits and simple shapes apart, not most photos: where the classifier is
   right less than LABEL_CHECK_ACCURACY of the time the check says so and names nothing.
 - Outliers: near-constant frames and sizes or aspects far from the rest of the set.
