@@ -219,7 +219,8 @@ def test_a_write_killed_mid_way_never_leaves_a_truncated_file(tmp_path):
 def test_a_flow_run_that_failed_in_registration_retries_without_training_again(
         prefect_engine, monkeypatch):
     """Prefect's persisted results: the retried flow run reuses every stage that completed."""
-    import flows.train_flow as module
+    import flows.registration as registration
+    from flows.train_flow import train_flow
 
     failures = []
 
@@ -229,9 +230,9 @@ def test_a_flow_run_that_failed_in_registration_retries_without_training_again(
             raise RuntimeError("the model registry is down (injected)")
         return register_model(*args, **kwargs)
 
-    register_model = module.register_model
-    monkeypatch.setattr(module, "register_model", registry_down_once)
-    result = module.train_flow.with_options(retries=1, retry_delay_seconds=0)(
+    register_model = registration.register_model
+    monkeypatch.setattr(registration, "register_model", registry_down_once)
+    result = train_flow.with_options(retries=1, retry_delay_seconds=0)(
         dataset={"source": "builtin:digits"},
         training={"epochs": 2, "image_size": 12, "batch_size": 50},
         registry={"model_name": "resumed-digits"})
