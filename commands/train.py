@@ -25,6 +25,7 @@ from pydantic_settings import CliApp, CliPositionalArg
 
 from training.config import (
     BLOCKS,
+    AuditSpec,
     DatasetSpec,
     InvalidParameters,
     RegistrySpec,
@@ -43,11 +44,13 @@ class TrainArgs(BaseModel):
 
     config: Path | None = Field(
         None, description="A YAML file of parameter blocks, as a deployment's parameters in "
-        "prefect.yaml (dataset:, split:, training:, registry:); flags override its fields.")
+        "prefect.yaml (dataset:, split:, training:, registry:, audit:); flags override its "
+        "fields.")
     dataset: DatasetSpec = DatasetSpec(source="builtin:digits")
     split: SplitSpec = SplitSpec()
     training: TrainingSpec = TrainingSpec()
     registry: RegistrySpec = RegistrySpec()
+    audit: AuditSpec = AuditSpec()
     force: bool = Field(False, description="Train even when the champion was trained on the "
                         "same data and spec.")
     json_output: bool = Field(False, validation_alias=AliasChoices("json", "json_output"),
@@ -80,6 +83,7 @@ class RunArgs(BaseModel):
     split: SplitSpec | None = None
     training: TrainingSpec | None = None
     registry: RegistrySpec | None = None
+    audit: AuditSpec | None = None
     watch: bool = Field(False, description="Wait for the run to finish.")
 
 

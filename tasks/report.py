@@ -22,7 +22,6 @@ def how_split(split: SplitResult) -> str:
     return f"as given: {folders}{carved}"
 
 
-@task
 def audit_line(split: SplitResult) -> str:
     if split.audit is None:
         return ""
@@ -30,6 +29,7 @@ def audit_line(split: SplitResult) -> str:
             "lists every image found.")
 
 
+@task
 def publish_report(dataset: DatasetRef, split: SplitResult, trained: TrainResult,
                    evaluation: Evaluation, registration: Registration, mlflow_run_id: str) -> str:
     """A markdown artifact on the flow run: data, split, best epoch, test metrics, decision."""
