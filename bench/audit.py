@@ -210,7 +210,7 @@ def demo(pairs: int, work: Path) -> None:
             "--training.epochs", "3"]
     walls: dict[str, list[float]] = {"with the audit": [], "without": []}
     runs = [("warm-up", [])] + [run for _ in range(pairs) for run in (
-        ("with the audit", []), ("without", ["--audit.enabled", "false"]))]
+        ("with the audit", []), ("without", ["--no-audit.enabled"]))]
     accuracy: dict[str, list[str]] = {name: [] for name in walls}
     for i, (name, extra) in enumerate(runs):
         env = {**os.environ, "TRAINFLOW_HOME": str(work / f"demo-{i}")}
