@@ -239,6 +239,7 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=0)
     parser.add_argument("--demo-pairs", type=int, default=0)
     parser.add_argument("--only-demo", action="store_true")
+    parser.add_argument("--only-scale", action="store_true")
     args = parser.parse_args()
     logging.disable(logging.INFO)
     work = Path(tempfile.mkdtemp(prefix="bench-audit-"))
@@ -247,6 +248,9 @@ def main() -> None:
         if args.demo_pairs:
             demo(args.demo_pairs, work)
         if args.only_demo:
+            return
+        if args.only_scale:
+            scale(args.scale, work, args.repeats)
             return
         clean = audit(args.flowers, work / "clean")
         natural: dict[int, set[str]] = {}
