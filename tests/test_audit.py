@@ -270,3 +270,15 @@ def test_a_fine_tune_checks_labels_on_its_starting_backbone(tmp_path, monkeypatc
     assert audit["label_check_accuracy"] >= 0.8
     issues = [f["path"] for f in audit["findings"] if f["kind"] == "label_issue"]
     assert set(issues[:2 * len(flipped)]) >= flipped
+
+
+def test_the_hashes_are_imagehashs_bits():
+    """The audit computes every view's hashes at once; they must be imagehash's own."""
+    import imagehash
+
+    from training.data.audit import _views, view_hashes
+
+    views = list(_views(scene("blue", 7, size=96).convert("L")))
+    expected = [[int(str(imagehash.phash(v)), 16), int(str(imagehash.dhash(v)), 16)]
+                for v in views]
+    assert view_hashes(views).tolist() == expected
